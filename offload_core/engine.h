@@ -1,0 +1,138 @@
+// OffloadEngine: schedules device->host offload of checkpointed layers' saved inputs during
+// forward and their prefetched host->device restore during backward.
+//
+// Vocabulary
+// - A *group* is the saved inputs of one checkpointed layer; groups are registered in
+//   forward order (BeginGroup) and consumed in reverse during backward (Acquire).
+// - An *entry* is one saved tensor's bytes (a contiguous device range) inside a group. The
+//   caller (torch plugin, tests) owns the device memory; the engine only borrows it.
+//
+// Schedule (N = keep_last, P = prefetch_depth)
+// - Forward: group i's device->host copy starts when group i+N is registered (N = 0: when
+//   each entry is offered), after the D2H stream waits on an event recorded on the caller's
+//   compute stream. When forward ends (the first Acquire), the last N groups stay resident.
+//   The device source is handed back (Client::ReleaseSource) only once its copy completed.
+//   At most max_inflight_d2h_groups groups have copies in flight; beyond that the host
+//   waits for the oldest, which bounds the device memory the engine holds.
+// - Backward: Acquire(entry) of group j makes sure j's host->device copy was issued (after
+//   j's D2H and after the compute stream's current work), makes the compute stream wait
+//   only on j's own H2D event, and issues H2D for the next P offloaded groups below j.
+//   A restored buffer belongs to the caller once Acquire returns; the engine keeps no
+//   reference to it.
+// - Host blocks live until Discard(entry) (the caller's saved-tensor handle died), so a
+//   retained graph can be restored again. A block returns to the arena only after every copy
+//   touching it completed.
+// - Reset() drains everything: waits for copies, releases every source, frees every host
+//   block. Entries alive in the caller then fail Acquire with FailedPrecondition.
+//
+// Invariants (checked by tests on SimDevice)
+// - No hazards: no read before its producing copy completed, no host block reused or device
+//   source released while a copy touching it is in flight.
+// - Device bytes held by the engine (sources not yet released + restored buffers not yet
+//   acquired) never exceed (N + max_inflight_d2h_groups + P + 1) groups' bytes.
+// - After Reset, or after every entry was discarded, arena live bytes are 0.
+//
+// Thread-safety: every method may be called from any thread. Client callbacks are invoked
+// with the engine's lock held and must not call back into the engine.
+#ifndef CKPT_OFFLOAD_OFFLOAD_CORE_ENGINE_H_
+#define CKPT_OFFLOAD_OFFLOAD_CORE_ENGINE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "offload_core/device.h"
+#include "offload_core/host_arena.h"
+
+namespace ckpt_offload {
+
+using GroupId = int64_t;
+using EntryId = int64_t;
+
+struct EngineOptions {
+  int keep_last = 1;       // groups kept resident at the end of forward
+  int prefetch_depth = 1;  // groups fetched ahead during backward
+  int max_inflight_d2h_groups = 2;
+  ArenaOptions arena;
+};
+
+// Checks ranges; the error names the field.
+absl::Status ValidateEngineOptions(const EngineOptions& options);
+
+struct EngineStats {
+  int64_t groups = 0;
+  int64_t offloaded_tensors = 0;      // entries whose D2H was issued
+  size_t offloaded_bytes = 0;
+  int64_t restored_tensors = 0;       // H2D copies issued (prefetched or on demand)
+  size_t restored_bytes = 0;
+  int64_t prefetched_tensors = 0;     // H2D issued ahead of their Acquire
+  int64_t kept_resident_tensors = 0;  // entries of the last keep_last groups
+  int64_t cap_fallbacks = 0;          // entries kept on device: arena refused (cap/backend)
+  double exposed_wait_ms = 0;         // compute-stream time spent waiting on H2D
+  size_t device_held_bytes = 0;       // now: sources not released + unacquired restores
+  size_t peak_device_held_bytes = 0;
+  ArenaStats arena;
+};
+
+class OffloadEngine {
+ public:
+  class Client {
+   public:
+    virtual ~Client() = default;
+    // The engine no longer needs `entry`'s device source (its D2H completed, or it was
+    // dropped by Reset). Called at most once per entry.
+    virtual void ReleaseSource(EntryId entry) = 0;
+    // Device memory of `bytes` to restore `entry` into. It is written on the H2D stream
+    // after the compute stream's work queued so far.
+    virtual absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) = 0;
+  };
+
+  // `device` and `client` must outlive the engine.
+  static absl::StatusOr<std::unique_ptr<OffloadEngine>> Create(Device* device, Client* client,
+                                                               EngineOptions options);
+  ~OffloadEngine();  // Reset()s first
+
+  // Starts the next group in forward order. A BeginGroup after backward started begins a
+  // new forward (the previous forward's pending groups stay resident).
+  absl::StatusOr<GroupId> BeginGroup(StreamHandle compute);
+
+  struct Offer {
+    EntryId entry;
+    bool will_offload;  // false: kept on the device for good (counted in cap_fallbacks)
+  };
+  // Registers `bytes` of device memory at `device_src` as an entry of `group`. The memory
+  // must stay valid until ReleaseSource(entry) or Discard(entry).
+  absl::StatusOr<Offer> OfferEntry(GroupId group, const void* device_src, size_t bytes,
+                                   StreamHandle compute);
+
+  struct Acquired {
+    bool resident;       // true: use the caller's own source (never offloaded)
+    void* device_data;   // restored buffer, owned by the caller now (null when resident)
+  };
+  absl::StatusOr<Acquired> Acquire(EntryId entry, StreamHandle compute);
+
+  // The caller's handle for `entry` is gone; its host block is returned once safe.
+  void Discard(EntryId entry);
+
+  // Drains every copy and frees everything (after an exception, at shutdown).
+  absl::Status Reset();
+  // Waits for in-flight copies and settles deferred work (exposed-wait figures, frees).
+  absl::Status Synchronize();
+
+  EngineStats stats() const;
+  void ResetStats();
+  const EngineOptions& options() const;
+  HostArena& arena();
+  Device& device();
+
+ private:
+  OffloadEngine();
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace ckpt_offload
+
+#endif  // CKPT_OFFLOAD_OFFLOAD_CORE_ENGINE_H_
