@@ -1,1 +1,712 @@
-// placeholder: being written
+// OffloadEngine: see engine.h for the schedule and its invariants.
+//
+// Implementation notes
+// - One mutex guards all state; forward (pack) and backward (unpack) run on different
+//   threads in PyTorch, but each call is short (bookkeeping plus async copy launches).
+// - Events are shared (refcounted) because a deferred host-block free or an exposed-wait
+//   measurement may outlive the group that recorded the event.
+// - Poll() settles work whose events completed: releases sources of finished D2H copies,
+//   frees guarded host blocks and restore buffers, accumulates exposed-wait figures. It
+//   runs at the start of every public call, so nothing waits for a dedicated thread.
+#include "offload_core/engine.h"
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "offload_core/status_macros.h"
+
+namespace ckpt_offload {
+namespace {
+
+// A device event shared by the places that must wait on it; destroyed with the last user.
+class SharedEvent {
+ public:
+  SharedEvent(Device* device, EventHandle handle) : device_(device), handle_(handle) {}
+  ~SharedEvent() { device_->DestroyEvent(handle_); }
+  SharedEvent(const SharedEvent&) = delete;
+  SharedEvent& operator=(const SharedEvent&) = delete;
+  EventHandle handle() const { return handle_; }
+
+ private:
+  Device* device_;
+  EventHandle handle_;
+};
+using EventPtr = std::shared_ptr<SharedEvent>;
+
+enum class EntryState {
+  kPending,    // offered; its group's D2H has not started
+  kResident,   // stays on the device for good (last keep_last groups, or fallback)
+  kOffloading, // D2H issued, not yet known complete
+  kOffloaded,  // D2H complete, source released; the host block holds the data
+};
+
+struct Entry {
+  GroupId group = 0;
+  const void* source = nullptr;
+  size_t bytes = 0;
+  EntryState state = EntryState::kPending;
+  bool source_held = true;     // counted in device_held_bytes until released
+  HostBlock host;
+  void* restore = nullptr;     // issued restore buffer not yet acquired
+  bool restore_was_prefetch = false;
+  bool restored_once = false;  // handed out at least once (a retained graph may ask again)
+  bool discarded = false;      // the caller's handle is gone; kept only while a copy runs
+};
+
+struct Group {
+  std::vector<EntryId> entries;
+  bool offload_started = false;
+  EventPtr d2h_done;  // recorded on the D2H stream after this group's copies
+  EventPtr h2d_done;  // recorded on the H2D stream after this group's last restore
+};
+
+// Work that may only happen once its guarding events completed.
+struct DeferredHostFree {
+  HostBlock block;
+  std::vector<EventPtr> guards;
+};
+struct DeferredRestoreDrop {
+  EntryId entry;
+  void* data;
+  size_t bytes;
+  EventPtr guard;
+};
+struct PendingWait {
+  EventPtr compute_ready;  // compute stream reached the wait
+  EventPtr h2d_done;       // the copy it waited for finished
+};
+
+}  // namespace
+
+absl::Status ValidateEngineOptions(const EngineOptions& options) {
+  if (options.keep_last < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("keep_last must be >= 0 (got ", options.keep_last, ")"));
+  }
+  if (options.prefetch_depth < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prefetch_depth must be >= 0 (got ", options.prefetch_depth, ")"));
+  }
+  if (options.max_inflight_d2h_groups < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_inflight_d2h_groups must be >= 1 (got ", options.max_inflight_d2h_groups, ")"));
+  }
+  return absl::OkStatus();
+}
+
+struct OffloadEngine::Impl {
+  Impl(Device* device, Client* client, EngineOptions options)
+      : device(device),
+        client(client),
+        options(options),
+        arena(device->MakeHostBackend(), options.arena) {}
+
+  Device* device;
+  Client* client;
+  EngineOptions options;
+  HostArena arena;
+
+  mutable std::mutex mu;
+  std::unordered_map<EntryId, Entry> entries;
+  std::map<GroupId, Group> groups;
+  std::deque<GroupId> pending;      // current forward's groups whose D2H has not started
+  std::deque<GroupId> d2h_inflight; // groups with D2H copies not yet known complete
+  std::vector<DeferredHostFree> deferred_frees;
+  std::vector<DeferredRestoreDrop> deferred_drops;
+  std::vector<PendingWait> pending_waits;
+  bool in_backward = false;
+  GroupId next_group = 1;
+  EntryId next_entry = 1;
+  EntryId reset_watermark = 1;  // ids below this and absent from `entries` died in a Reset
+  EngineStats counters;
+
+  // --- helpers (mu held) ---
+
+  absl::StatusOr<EventPtr> NewEvent() {
+    CKPT_ASSIGN_OR_RETURN(EventHandle handle, device->CreateEvent());
+    return std::make_shared<SharedEvent>(device, handle);
+  }
+
+  // True when `event` is null or complete.
+  absl::StatusOr<bool> Done(const EventPtr& event) {
+    if (!event) return true;
+    return device->EventDone(event->handle());
+  }
+
+  void AddHeld(size_t bytes) {
+    counters.device_held_bytes += bytes;
+    counters.peak_device_held_bytes =
+        std::max(counters.peak_device_held_bytes, counters.device_held_bytes);
+  }
+  void SubHeld(size_t bytes) { counters.device_held_bytes -= bytes; }
+
+  void ReleaseSourceOf(EntryId id, Entry& entry) {
+    if (!entry.source_held) return;
+    entry.source_held = false;
+    if (entry.state != EntryState::kResident) SubHeld(entry.bytes);
+    device->OnDeviceSourceReleased(entry.source, entry.bytes);
+    client->ReleaseSource(id);
+  }
+
+  // Orders `stream` after the work queued on `compute` so far.
+  absl::Status StreamAfterCompute(StreamHandle stream, StreamHandle compute) {
+    CKPT_ASSIGN_OR_RETURN(EventPtr mark, NewEvent());
+    CKPT_RETURN_IF_ERROR(device->RecordEvent(mark->handle(), compute));
+    return device->StreamWaitEvent(stream, mark->handle());
+  }
+
+  // Issues the D2H copy of one entry (its group's D2H stream ordering is set up by the
+  // caller). A refused host block keeps the entry on the device.
+  absl::Status IssueD2H(EntryId id, Entry& entry) {
+    absl::StatusOr<HostBlock> block = arena.Allocate(entry.bytes);
+    if (!block.ok()) {
+      entry.state = EntryState::kResident;
+      SubHeld(entry.bytes);
+      counters.cap_fallbacks++;
+      return absl::OkStatus();
+    }
+    absl::Status copied =
+        device->CopyToHost(block->data, entry.source, entry.bytes, device->d2h_stream());
+    if (!copied.ok()) {
+      // Nothing was queued: the block goes straight back and the entry stays on the
+      // device, so an engine that is not Reset still hands out intact data.
+      FreeHostBlock(*block);
+      entry.state = EntryState::kResident;
+      SubHeld(entry.bytes);
+      return copied;
+    }
+    entry.host = *block;
+    entry.state = EntryState::kOffloading;
+    counters.offloaded_tensors++;
+    counters.offloaded_bytes += entry.bytes;
+    return absl::OkStatus();
+  }
+
+  absl::Status RecordD2HDone(GroupId gid, Group& group) {
+    if (!group.d2h_done) {
+      CKPT_ASSIGN_OR_RETURN(group.d2h_done, NewEvent());
+    }
+    CKPT_RETURN_IF_ERROR(device->RecordEvent(group.d2h_done->handle(), device->d2h_stream()));
+    if (std::find(d2h_inflight.begin(), d2h_inflight.end(), gid) == d2h_inflight.end()) {
+      d2h_inflight.push_back(gid);
+    }
+    return absl::OkStatus();
+  }
+
+  // Keeps at most max_inflight_d2h_groups groups copying: waits for the oldest.
+  absl::Status BoundInflight() {
+    while (static_cast<int>(d2h_inflight.size()) >= options.max_inflight_d2h_groups) {
+      auto it = groups.find(d2h_inflight.front());
+      if (it != groups.end() && it->second.d2h_done) {
+        CKPT_RETURN_IF_ERROR(device->SynchronizeEvent(it->second.d2h_done->handle()));
+      }
+      size_t before = d2h_inflight.size();
+      CKPT_RETURN_IF_ERROR(Poll());
+      if (d2h_inflight.size() == before) d2h_inflight.pop_front();  // nothing to wait on
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status StartOffload(GroupId gid, StreamHandle compute) {
+    Group& group = groups.at(gid);
+    group.offload_started = true;
+    bool any = false;
+    for (EntryId id : group.entries) {
+      if (entries.at(id).state == EntryState::kPending) any = true;
+    }
+    if (!any) return absl::OkStatus();  // keep_last == 0: entries arrive after this
+    // Only a group that will copy counts against the in-flight bound.
+    CKPT_RETURN_IF_ERROR(BoundInflight());
+    CKPT_RETURN_IF_ERROR(StreamAfterCompute(device->d2h_stream(), compute));
+    absl::Status issued = absl::OkStatus();
+    bool any_issued = false;
+    for (EntryId id : group.entries) {
+      Entry& entry = entries.at(id);
+      if (entry.state != EntryState::kPending) continue;
+      issued = IssueD2H(id, entry);
+      if (!issued.ok()) break;
+      any_issued = any_issued || entry.state == EntryState::kOffloading;
+    }
+    // Copies queued before a failure still need their completion event: Poll and Reset
+    // find them through it.
+    if (any_issued) CKPT_RETURN_IF_ERROR(RecordD2HDone(gid, group));
+    return issued;
+  }
+
+  // Forward ended: the current forward's pending groups stay on the device.
+  void EnterBackward() {
+    if (in_backward) return;
+    in_backward = true;
+    for (GroupId gid : pending) {
+      for (EntryId id : groups.at(gid).entries) {
+        Entry& entry = entries.at(id);
+        if (entry.state != EntryState::kPending) continue;
+        entry.state = EntryState::kResident;
+        SubHeld(entry.bytes);
+        counters.kept_resident_tensors++;
+      }
+    }
+    pending.clear();
+  }
+
+  static bool NeedsRestore(const Entry& entry) {
+    return (entry.state == EntryState::kOffloading || entry.state == EntryState::kOffloaded) &&
+           entry.restore == nullptr;
+  }
+
+  // Issues H2D for the entries of `gid` that need it, or for `only` (a retained graph's
+  // second restore of one entry).
+  absl::Status IssueRestore(GroupId gid, StreamHandle compute, bool prefetch,
+                            EntryId only = 0) {
+    Group& group = groups.at(gid);
+    std::vector<EntryId> todo;
+    for (EntryId id : group.entries) {
+      const Entry& entry = entries.at(id);
+      if (only != 0 && id != only) continue;
+      if (entry.discarded || !NeedsRestore(entry)) continue;
+      if (only == 0 && entry.restored_once) continue;  // a retained graph asks per entry
+      todo.push_back(id);
+    }
+    if (todo.empty()) return absl::OkStatus();
+    const StreamHandle h2d = device->h2d_stream();
+    // The restore buffers may be memory the compute stream used just before.
+    CKPT_RETURN_IF_ERROR(StreamAfterCompute(h2d, compute));
+    CKPT_ASSIGN_OR_RETURN(bool d2h_finished, Done(group.d2h_done));
+    if (!d2h_finished) {
+      CKPT_RETURN_IF_ERROR(device->StreamWaitEvent(h2d, group.d2h_done->handle()));
+    }
+    absl::Status issued = absl::OkStatus();
+    bool any_issued = false;
+    for (EntryId id : todo) {
+      Entry& entry = entries.at(id);
+      absl::StatusOr<void*> buffer = client->AllocateRestore(id, entry.bytes);
+      if (!buffer.ok()) {
+        issued = buffer.status();
+        break;
+      }
+      issued = device->CopyToDevice(*buffer, entry.host.data, entry.bytes, h2d);
+      if (!issued.ok()) {
+        // Nothing was queued into it: hand it back now rather than as a restore.
+        client->DropRestore(id, *buffer);
+        break;
+      }
+      entry.restore = *buffer;
+      entry.restore_was_prefetch = prefetch;
+      AddHeld(entry.bytes);
+      any_issued = true;
+      counters.restored_tensors++;
+      counters.restored_bytes += entry.bytes;
+      if (prefetch) counters.prefetched_tensors++;
+    }
+    // The copies queued before a failure need the event too: Acquire and Reset wait on it.
+    if (any_issued) {
+      CKPT_ASSIGN_OR_RETURN(EventPtr done, NewEvent());
+      CKPT_RETURN_IF_ERROR(device->RecordEvent(done->handle(), h2d));
+      group.h2d_done = std::move(done);
+    }
+    return issued;
+  }
+
+  // Makes sure the next prefetch_depth offloaded groups below `gid` are being restored.
+  absl::Status Prefetch(GroupId gid, StreamHandle compute) {
+    int counted = 0;
+    for (auto it = std::make_reverse_iterator(groups.lower_bound(gid));
+         it != groups.rend() && counted < options.prefetch_depth; ++it) {
+      bool waiting = false;  // offloaded and never restored
+      bool issued = false;   // already prefetched, not yet acquired
+      for (EntryId id : it->second.entries) {
+        const Entry& entry = entries.at(id);
+        if (entry.discarded) continue;
+        if (NeedsRestore(entry) && !entry.restored_once) waiting = true;
+        if (entry.restore != nullptr) issued = true;
+      }
+      if (!waiting && !issued) continue;
+      counted++;
+      if (waiting) CKPT_RETURN_IF_ERROR(IssueRestore(it->first, compute, /*prefetch=*/true));
+    }
+    return absl::OkStatus();
+  }
+
+  // Groups that never got an entry are otherwise never erased (only EraseEntry and Poll
+  // look at a group again); without this sweep every step would leave them behind and
+  // Prefetch's scan below each acquired group would keep growing.
+  void EraseEmptyGroups() {
+    for (auto it = groups.begin(); it != groups.end();) {
+      const bool in_flight =
+          std::find(d2h_inflight.begin(), d2h_inflight.end(), it->first) != d2h_inflight.end();
+      const bool is_pending =
+          std::find(pending.begin(), pending.end(), it->first) != pending.end();
+      if (it->second.entries.empty() && !in_flight && !is_pending) {
+        it = groups.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  void MaybeEraseGroup(GroupId gid) {
+    auto it = groups.find(gid);
+    if (it == groups.end() || !it->second.entries.empty()) return;
+    if (std::find(pending.begin(), pending.end(), gid) != pending.end()) return;
+    if (std::find(d2h_inflight.begin(), d2h_inflight.end(), gid) != d2h_inflight.end()) return;
+    groups.erase(it);
+  }
+
+  void EraseEntry(EntryId id) {
+    auto it = entries.find(id);
+    if (it == entries.end()) return;
+    GroupId gid = it->second.group;
+    entries.erase(it);
+    auto git = groups.find(gid);
+    if (git != groups.end()) {
+      auto& list = git->second.entries;
+      list.erase(std::remove(list.begin(), list.end(), id), list.end());
+    }
+    MaybeEraseGroup(gid);
+  }
+
+  void FreeHostBlock(const HostBlock& block) {
+    device->OnHostBlockFreed(block.data, block.bytes);
+    arena.Free(block);
+  }
+
+  // Settles everything whose events completed. Errors come from event queries.
+  absl::Status Poll() {
+    while (!d2h_inflight.empty()) {
+      GroupId gid = d2h_inflight.front();
+      auto git = groups.find(gid);
+      if (git != groups.end()) {
+        CKPT_ASSIGN_OR_RETURN(bool done, Done(git->second.d2h_done));
+        if (!done) break;
+        std::vector<EntryId> finished = git->second.entries;
+        for (EntryId id : finished) {
+          Entry& entry = entries.at(id);
+          if (entry.state != EntryState::kOffloading) continue;
+          entry.state = EntryState::kOffloaded;
+          ReleaseSourceOf(id, entry);
+          if (entry.discarded) {
+            deferred_frees.push_back({entry.host, {git->second.h2d_done}});
+            entry.host = HostBlock{};
+            EraseEntry(id);
+          }
+        }
+      }
+      d2h_inflight.pop_front();
+      MaybeEraseGroup(gid);
+    }
+    for (size_t i = 0; i < deferred_frees.size();) {
+      bool ready = true;
+      for (const EventPtr& guard : deferred_frees[i].guards) {
+        CKPT_ASSIGN_OR_RETURN(bool done, Done(guard));
+        ready = ready && done;
+      }
+      if (!ready) {
+        ++i;
+        continue;
+      }
+      FreeHostBlock(deferred_frees[i].block);
+      deferred_frees[i] = std::move(deferred_frees.back());
+      deferred_frees.pop_back();
+    }
+    for (size_t i = 0; i < deferred_drops.size();) {
+      CKPT_ASSIGN_OR_RETURN(bool done, Done(deferred_drops[i].guard));
+      if (!done) {
+        ++i;
+        continue;
+      }
+      DropRestore(deferred_drops[i]);
+      deferred_drops[i] = std::move(deferred_drops.back());
+      deferred_drops.pop_back();
+    }
+    for (size_t i = 0; i < pending_waits.size();) {
+      CKPT_ASSIGN_OR_RETURN(bool ready_done, Done(pending_waits[i].compute_ready));
+      CKPT_ASSIGN_OR_RETURN(bool copy_done, Done(pending_waits[i].h2d_done));
+      if (!ready_done || !copy_done) {
+        ++i;
+        continue;
+      }
+      CKPT_ASSIGN_OR_RETURN(double ms, device->ElapsedMs(pending_waits[i].compute_ready->handle(),
+                                                         pending_waits[i].h2d_done->handle()));
+      if (ms > 0) counters.exposed_wait_ms += ms;
+      pending_waits[i] = std::move(pending_waits.back());
+      pending_waits.pop_back();
+    }
+    return absl::OkStatus();
+  }
+
+  void DropRestore(const DeferredRestoreDrop& drop) {
+    SubHeld(drop.bytes);
+    client->DropRestore(drop.entry, drop.data);
+  }
+
+  absl::Status SynchronizeLocked() {
+    absl::Status first = absl::OkStatus();
+    auto wait = [&](const EventPtr& event) {
+      if (!event) return;
+      absl::Status status = device->SynchronizeEvent(event->handle());
+      if (first.ok() && !status.ok()) first = status;
+    };
+    for (auto& [gid, group] : groups) {
+      wait(group.d2h_done);
+      wait(group.h2d_done);
+    }
+    for (const auto& free : deferred_frees) {
+      for (const EventPtr& guard : free.guards) wait(guard);
+    }
+    for (const auto& drop : deferred_drops) wait(drop.guard);
+    for (const auto& pending_wait : pending_waits) {
+      wait(pending_wait.compute_ready);
+      wait(pending_wait.h2d_done);
+    }
+    // Draining both copy streams also covers copies that no group event tracks (a call
+    // failed between queueing a copy and recording its event).
+    for (StreamHandle stream : {device->d2h_stream(), device->h2d_stream()}) {
+      absl::StatusOr<EventPtr> drained = NewEvent();
+      if (!drained.ok()) {
+        if (first.ok()) first = drained.status();
+        continue;
+      }
+      absl::Status recorded = device->RecordEvent((*drained)->handle(), stream);
+      if (!recorded.ok()) {
+        if (first.ok()) first = recorded;
+        continue;
+      }
+      wait(*drained);
+    }
+    absl::Status polled = Poll();
+    if (first.ok() && !polled.ok()) first = polled;
+    return first;
+  }
+};
+
+OffloadEngine::OffloadEngine() = default;
+
+absl::StatusOr<std::unique_ptr<OffloadEngine>> OffloadEngine::Create(Device* device,
+                                                                     Client* client,
+                                                                     EngineOptions options) {
+  if (device == nullptr) return absl::InvalidArgumentError("device must not be null");
+  if (client == nullptr) return absl::InvalidArgumentError("client must not be null");
+  CKPT_RETURN_IF_ERROR(ValidateEngineOptions(options));
+  std::unique_ptr<OffloadEngine> engine(new OffloadEngine());
+  engine->impl_ = std::make_unique<Impl>(device, client, options);
+  return engine;
+}
+
+OffloadEngine::~OffloadEngine() {
+  if (impl_) Reset().IgnoreError();
+}
+
+absl::StatusOr<GroupId> OffloadEngine::BeginGroup(StreamHandle compute) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& s = *impl_;
+  CKPT_RETURN_IF_ERROR(s.Poll());
+  if (s.in_backward) {
+    s.in_backward = false;  // a new forward (next micro-batch or step)
+    s.pending.clear();
+    s.EraseEmptyGroups();
+  }
+  GroupId gid = s.next_group++;
+  s.groups.emplace(gid, Group{});
+  s.pending.push_back(gid);
+  s.counters.groups++;
+  while (static_cast<int>(s.pending.size()) > s.options.keep_last) {
+    GroupId oldest = s.pending.front();
+    s.pending.pop_front();
+    CKPT_RETURN_IF_ERROR(s.StartOffload(oldest, compute));
+  }
+  return gid;
+}
+
+absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
+                                                               const void* device_src,
+                                                               size_t bytes,
+                                                               StreamHandle compute) {
+  if (device_src == nullptr && bytes > 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("device_src must not be null (bytes = ", bytes, ")"));
+  }
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& s = *impl_;
+  CKPT_RETURN_IF_ERROR(s.Poll());
+  auto git = s.groups.find(gid);
+  if (git == s.groups.end()) {
+    return absl::NotFoundError(absl::StrCat("unknown group ", gid));
+  }
+  EntryId id = s.next_entry++;
+  Entry& entry = s.entries[id];
+  entry.group = gid;
+  entry.source = device_src;
+  entry.bytes = bytes;
+  git->second.entries.push_back(id);
+  const bool group_pending =
+      std::find(s.pending.begin(), s.pending.end(), gid) != s.pending.end();
+  if (bytes == 0) {
+    // Nothing to move; a host block of zero bytes would only cost an allocation.
+    entry.state = EntryState::kResident;
+    return Offer{id, false};
+  }
+  if (!git->second.offload_started && !group_pending) {
+    // The group's forward already ended (backward started): nothing to overlap with.
+    entry.state = EntryState::kResident;
+    s.counters.kept_resident_tensors++;
+    return Offer{id, false};
+  }
+  s.AddHeld(bytes);
+  if (git->second.offload_started) {
+    // keep_last == 0 (or a late entry): offload right away. A group already copying does
+    // not add to the in-flight group count, so only a new one waits for the bound; waiting
+    // on its own earlier entries would stall the host once per tensor.
+    const bool group_in_flight =
+        std::find(s.d2h_inflight.begin(), s.d2h_inflight.end(), gid) != s.d2h_inflight.end();
+    if (!group_in_flight) CKPT_RETURN_IF_ERROR(s.BoundInflight());
+    CKPT_RETURN_IF_ERROR(s.StreamAfterCompute(s.device->d2h_stream(), compute));
+    CKPT_RETURN_IF_ERROR(s.IssueD2H(id, entry));
+    if (entry.state == EntryState::kResident) return Offer{id, false};
+    CKPT_RETURN_IF_ERROR(s.RecordD2HDone(gid, s.groups.at(gid)));
+  }
+  return Offer{id, true};
+}
+
+absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
+                                                               StreamHandle compute) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& s = *impl_;
+  auto it = s.entries.find(id);
+  if (it == s.entries.end() || it->second.discarded) {
+    if (id > 0 && id < s.reset_watermark) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "saved tensor ", id, " was dropped when the offload engine was reset (the step "
+          "that saved it raised an exception)"));
+    }
+    return absl::NotFoundError(absl::StrCat("unknown or discarded entry ", id));
+  }
+  CKPT_RETURN_IF_ERROR(s.Poll());
+  s.EnterBackward();
+  Entry& entry = s.entries.at(id);
+  const GroupId gid = entry.group;
+  if (entry.state == EntryState::kPending) {
+    return absl::InternalError(absl::StrCat("entry ", id, " still pending in backward"));
+  }
+  Acquired result{true, nullptr};
+  if (entry.state != EntryState::kResident) {
+    if (entry.restore == nullptr) {
+      CKPT_RETURN_IF_ERROR(s.IssueRestore(gid, compute, /*prefetch=*/false,
+                                          entry.restored_once ? id : 0));
+    }
+    Group& group = s.groups.at(gid);
+    CKPT_ASSIGN_OR_RETURN(bool copied, s.Done(group.h2d_done));
+    if (!copied) {
+      CKPT_ASSIGN_OR_RETURN(EventPtr ready, s.NewEvent());
+      CKPT_RETURN_IF_ERROR(s.device->RecordEvent(ready->handle(), compute));
+      s.pending_waits.push_back({ready, group.h2d_done});
+    }
+    CKPT_RETURN_IF_ERROR(s.device->StreamWaitEvent(compute, group.h2d_done->handle()));
+    result.resident = false;
+    result.device_data = entry.restore;
+    entry.restore = nullptr;
+    entry.restored_once = true;
+    s.SubHeld(entry.bytes);
+  }
+  CKPT_RETURN_IF_ERROR(s.Prefetch(gid, compute));
+  return result;
+}
+
+bool OffloadEngine::Discard(EntryId id) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& s = *impl_;
+  auto it = s.entries.find(id);
+  if (it == s.entries.end() || it->second.discarded) return false;
+  s.Poll().IgnoreError();
+  it = s.entries.find(id);
+  if (it == s.entries.end()) return false;
+  Entry& entry = it->second;
+  Group& group = s.groups.at(entry.group);
+  entry.discarded = true;
+  if (entry.restore != nullptr) {
+    s.deferred_drops.push_back({id, entry.restore, entry.bytes, group.h2d_done});
+    entry.restore = nullptr;
+  }
+  switch (entry.state) {
+    case EntryState::kPending:
+      // The caller dropped the source itself; nothing was copied.
+      entry.source_held = false;
+      s.SubHeld(entry.bytes);
+      s.EraseEntry(id);
+      return false;
+    case EntryState::kResident:
+      entry.source_held = false;
+      s.EraseEntry(id);
+      return false;
+    case EntryState::kOffloading:
+      // The copy still reads the source and writes the host block: Poll finishes this.
+      return true;
+    case EntryState::kOffloaded:
+      s.deferred_frees.push_back({entry.host, {group.h2d_done}});
+      entry.host = HostBlock{};
+      s.EraseEntry(id);
+      s.Poll().IgnoreError();
+      return false;
+  }
+  return false;
+}
+
+absl::Status OffloadEngine::Reset() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& s = *impl_;
+  absl::Status status = s.SynchronizeLocked();
+  for (auto& [id, entry] : s.entries) {
+    if (entry.restore != nullptr) {
+      s.DropRestore({id, entry.restore, entry.bytes, nullptr});
+      entry.restore = nullptr;
+    }
+    // Discarded entries whose copy was in flight included: the caller still holds them.
+    s.ReleaseSourceOf(id, entry);
+    if (entry.host) s.FreeHostBlock(entry.host);
+  }
+  for (const auto& free : s.deferred_frees) s.FreeHostBlock(free.block);
+  for (const auto& drop : s.deferred_drops) s.DropRestore(drop);
+  s.deferred_frees.clear();
+  s.deferred_drops.clear();
+  s.pending_waits.clear();
+  s.entries.clear();
+  s.groups.clear();
+  s.pending.clear();
+  s.d2h_inflight.clear();
+  s.in_backward = false;
+  s.counters.device_held_bytes = 0;
+  s.reset_watermark = s.next_entry;
+  return status;
+}
+
+absl::Status OffloadEngine::Synchronize() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  return impl_->SynchronizeLocked();
+}
+
+EngineStats OffloadEngine::stats() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  EngineStats stats = impl_->counters;
+  stats.arena = impl_->arena.stats();
+  return stats;
+}
+
+void OffloadEngine::ResetStats() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const size_t held = impl_->counters.device_held_bytes;
+  impl_->counters = EngineStats{};
+  impl_->counters.device_held_bytes = held;
+  impl_->counters.peak_device_held_bytes = held;
+  impl_->arena.ResetPeak();
+}
+
+const EngineOptions& OffloadEngine::options() const { return impl_->options; }
+HostArena& OffloadEngine::arena() { return impl_->arena; }
+Device& OffloadEngine::device() { return *impl_->device; }
+
+}  // namespace ckpt_offload

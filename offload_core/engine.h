@@ -87,6 +87,9 @@ class OffloadEngine {
     // Device memory of `bytes` to restore `entry` into. It is written on the H2D stream
     // after the compute stream's work queued so far.
     virtual absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) = 0;
+    // A restore buffer from AllocateRestore that will never be acquired (its entry was
+    // discarded or the engine reset). Its copy has completed; the caller frees it.
+    virtual void DropRestore(EntryId entry, void* data) = 0;
   };
 
   // `device` and `client` must outlive the engine.
@@ -100,10 +103,15 @@ class OffloadEngine {
 
   struct Offer {
     EntryId entry;
-    bool will_offload;  // false: kept on the device for good (counted in cap_fallbacks)
+    // false: kept on the device for good. Known at offer time only when the copy starts
+    // then (keep_last == 0): the arena refused a block (counted in cap_fallbacks), the
+    // group's forward already ended, or `bytes` is 0. An entry offered with true can still
+    // fall back when its group's copy starts; Acquire then reports it resident.
+    bool will_offload;
   };
   // Registers `bytes` of device memory at `device_src` as an entry of `group`. The memory
-  // must stay valid until ReleaseSource(entry) or Discard(entry).
+  // must stay valid until ReleaseSource(entry), or until Discard(entry) when that returns
+  // false.
   absl::StatusOr<Offer> OfferEntry(GroupId group, const void* device_src, size_t bytes,
                                    StreamHandle compute);
 
@@ -113,8 +121,9 @@ class OffloadEngine {
   };
   absl::StatusOr<Acquired> Acquire(EntryId entry, StreamHandle compute);
 
-  // The caller's handle for `entry` is gone; its host block is returned once safe.
-  void Discard(EntryId entry);
+  // The caller's handle for `entry` is gone; its host block is returned once safe. Returns
+  // true when a copy still reads the source: keep it valid until ReleaseSource(entry).
+  bool Discard(EntryId entry);
 
   // Drains every copy and frees everything (after an exception, at shutdown).
   absl::Status Reset();

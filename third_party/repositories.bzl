@@ -115,6 +115,14 @@ cc_library(
     linkopts = ["-Wl,-rpath,{lib_dir}"],
 )
 
+# Present only in CUDA builds of torch (TORCH_HAS_CUDA_LIBS); c10_cuda holds the stream API.
+cc_import(name = "c10_cuda_so", shared_library = "lib/libc10_cuda.so")
+
+cc_library(
+    name = "libtorch_cuda",
+    deps = [":libtorch", ":c10_cuda_so"],
+)
+
 cc_library(
     name = "torch_python",
     deps = [":libtorch", ":torch_python_so", ":pybind11"],

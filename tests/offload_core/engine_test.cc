@@ -1,0 +1,1067 @@
+// Tests for OffloadEngine on SimDevice.
+//
+// A harness plays checkpointed training steps against the engine: forward saves each
+// layer's input (BeginGroup + OfferEntry, then the layer's compute), backward walks the
+// layers in reverse (Acquire, the layer's backward compute, Discard). The simulated device
+// checks the schedule's invariants from engine.h: no hazards, bytes that round-trip intact,
+// and timing (exposed wait) that matches what bytes and bandwidth predict.
+#include "offload_core/engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "gtest/gtest.h"
+#include "offload_core/fault_injection.h"
+#include "offload_core/sim_device.h"
+
+namespace ckpt_offload {
+namespace {
+
+// Fill values that no pattern buffer matches as a whole: a restore buffer before its copy
+// lands, and a source after the engine (or the caller) let go of it.
+constexpr uint8_t kRestoreFill = 0xCD;
+constexpr uint8_t kReleasedFill = 0xEE;
+
+// A byte pattern unique to `tag` that also varies along the buffer, so a stale, shifted or
+// swapped buffer never matches.
+uint8_t PatternByte(int64_t tag, size_t i) {
+  uint32_t x = static_cast<uint32_t>(tag) * 2654435761u + static_cast<uint32_t>(i) * 40503u;
+  x ^= x >> 13;
+  return static_cast<uint8_t>(x ^ (x >> 7));
+}
+
+void FillPattern(void* data, size_t bytes, int64_t tag) {
+  auto* out = static_cast<uint8_t*>(data);
+  for (size_t i = 0; i < bytes; ++i) out[i] = PatternByte(tag, i);
+}
+
+// Index of the first byte that differs from the pattern, or -1.
+int64_t FirstMismatch(const void* data, size_t bytes, int64_t tag) {
+  const auto* in = static_cast<const uint8_t*>(data);
+  for (size_t i = 0; i < bytes; ++i) {
+    if (in[i] != PatternByte(tag, i)) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+std::string HazardReport(const SimDevice& sim) {
+  std::string out;
+  for (const SimDevice::Hazard& hazard : sim.hazards()) {
+    absl::StrAppend(&out, "\n  ", SimDevice::HazardName(hazard.kind), " at ", hazard.time_us,
+                    " us: ", hazard.detail);
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------
+// The caller side: sources (layer inputs), restore buffers and what the engine did to them.
+// Thread-safe; never calls into the engine (the engine calls it with its lock held).
+class SimClient : public OffloadEngine::Client {
+ public:
+  explicit SimClient(SimDevice* sim) : sim_(sim) {}
+  ~SimClient() override {
+    for (auto& [entry, source] : sources_) sim_->FreeDeviceBuffer(source.data);
+    for (auto& [data, restore] : restores_) sim_->FreeDeviceBuffer(data);
+  }
+
+  // A new layer input of `bytes` holding the pattern of `tag`.
+  void* NewSource(size_t bytes, int64_t tag) {
+    void* data = sim_->AllocateDeviceBuffer(bytes);
+    FillPattern(data, bytes, tag);
+    return data;
+  }
+
+  // Called right after OfferEntry. A ReleaseSource that raced ahead (another thread's call
+  // polled the copy's completion first) is applied now.
+  void RegisterSource(EntryId entry, void* data, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    Source& source = sources_[entry];
+    source.data = data;
+    source.bytes = bytes;
+    if (released_early_.erase(entry) > 0) ReleaseLocked(entry, source);
+  }
+
+  // The caller's own handle is gone and Discard returned false: the memory is the
+  // caller's to reuse, which the fill imitates.
+  void CallerDropped(EntryId entry) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sources_.find(entry);
+    if (it == sources_.end()) return;
+    if (it->second.released) {
+      errors_.push_back(absl::StrCat("entry ", entry, ": Discard returned false after "
+                                     "ReleaseSource"));
+    }
+    it->second.dropped = true;
+    std::memset(it->second.data, kReleasedFill, it->second.bytes);
+  }
+
+  // The caller took a restored buffer from Acquire; it now owns it.
+  bool TakeRestore(EntryId entry, void* data) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = restores_.find(data);
+    if (it == restores_.end() || it->second.entry != entry) return false;
+    restores_.erase(it);
+    return true;
+  }
+
+  // Frees every source the engine and the caller are both done with.
+  void FreeSettledSources() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = sources_.begin(); it != sources_.end();) {
+      if (it->second.released || it->second.dropped) {
+        sim_->FreeDeviceBuffer(it->second.data);
+        it = sources_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+
+  // Entries whose source was neither released by the engine nor dropped by the caller.
+  std::vector<EntryId> UnsettledSources() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<EntryId> out;
+    for (const auto& [entry, source] : sources_) {
+      if (!source.released && !source.dropped) out.push_back(entry);
+    }
+    return out;
+  }
+  bool Released(EntryId entry) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sources_.find(entry);
+    return it != sources_.end() && it->second.released;
+  }
+  size_t outstanding_restores() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return restores_.size();
+  }
+  int64_t dropped_restores() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return dropped_restores_;
+  }
+  std::vector<std::string> errors() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return errors_;
+  }
+
+  // --- OffloadEngine::Client ---
+  void ReleaseSource(EntryId entry) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = sources_.find(entry);
+    if (it == sources_.end()) {
+      released_early_[entry]++;
+      if (released_early_[entry] > 1) {
+        errors_.push_back(absl::StrCat("entry ", entry, ": ReleaseSource called twice"));
+      }
+      return;
+    }
+    ReleaseLocked(entry, it->second);
+  }
+  absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) override {
+    void* data = sim_->AllocateDeviceBuffer(bytes);
+    std::memset(data, kRestoreFill, bytes);
+    std::lock_guard<std::mutex> lock(mu_);
+    restores_[data] = Restore{entry, bytes};
+    return data;
+  }
+  void DropRestore(EntryId entry, void* data) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = restores_.find(data);
+      if (it == restores_.end() || it->second.entry != entry) {
+        errors_.push_back(absl::StrCat("entry ", entry, ": DropRestore of a buffer it does "
+                                       "not own"));
+        return;
+      }
+      restores_.erase(it);
+      dropped_restores_++;
+    }
+    sim_->FreeDeviceBuffer(data);
+  }
+
+ private:
+  struct Source {
+    void* data = nullptr;
+    size_t bytes = 0;
+    bool released = false;  // ReleaseSource came
+    bool dropped = false;   // the caller let go (Discard returned false)
+  };
+  struct Restore {
+    EntryId entry;
+    size_t bytes;
+  };
+
+  void ReleaseLocked(EntryId entry, Source& source) {
+    if (source.released) {
+      errors_.push_back(absl::StrCat("entry ", entry, ": ReleaseSource called twice"));
+    }
+    if (source.dropped) {
+      errors_.push_back(absl::StrCat("entry ", entry, ": ReleaseSource after the caller "
+                                     "dropped it (Discard returned false)"));
+    }
+    source.released = true;
+    // Nothing may read a released source again: overwrite it like reused memory would be.
+    std::memset(source.data, kReleasedFill, source.bytes);
+  }
+
+  SimDevice* sim_;
+  mutable std::mutex mu_;
+  std::map<EntryId, Source> sources_;
+  std::map<EntryId, int> released_early_;
+  std::map<void*, Restore> restores_;
+  int64_t dropped_restores_ = 0;
+  std::vector<std::string> errors_;
+};
+
+// ---------------------------------------------------------------------------------------
+// One step's shape: bytes of each saved tensor, per layer, and per-layer compute times.
+struct StepPlan {
+  std::vector<std::vector<size_t>> entry_bytes;  // [layer][entry]
+  double forward_us = 20;
+  double backward_us = 40;
+
+  int layers() const { return static_cast<int>(entry_bytes.size()); }
+  size_t group_bytes(int layer) const {
+    size_t total = 0;
+    for (size_t bytes : entry_bytes[layer]) total += bytes;
+    return total;
+  }
+};
+
+StepPlan UniformPlan(int layers, size_t bytes, int entries_per_layer, double forward_us,
+                     double backward_us) {
+  StepPlan plan;
+  plan.entry_bytes.assign(layers, std::vector<size_t>(entries_per_layer, bytes));
+  plan.forward_us = forward_us;
+  plan.backward_us = backward_us;
+  return plan;
+}
+
+struct SavedTensor {
+  EntryId entry = 0;  // 0 once discarded
+  int64_t tag = 0;
+  void* source = nullptr;
+  size_t bytes = 0;
+};
+using SavedLayers = std::vector<std::vector<SavedTensor>>;
+
+// A restored buffer the backward consumed; its bytes are checked once the device drained.
+struct Consumed {
+  int64_t tag;
+  void* data;
+  size_t bytes;
+};
+
+class EngineHarness {
+ public:
+  explicit EngineHarness(EngineOptions options, SimDeviceOptions sim_options = {})
+      : sim_(sim_options), client_(&sim_), compute_(sim_.CreateStream()) {
+    absl::StatusOr<std::unique_ptr<OffloadEngine>> engine =
+        OffloadEngine::Create(&sim_, &client_, options);
+    EXPECT_TRUE(engine.ok()) << engine.status();
+    if (engine.ok()) engine_ = std::move(*engine);
+  }
+  ~EngineHarness() {
+    if (engine_) engine_->Reset().IgnoreError();
+    sim_.SynchronizeAll().IgnoreError();
+    for (const Consumed& c : consumed_) sim_.FreeDeviceBuffer(c.data);
+    engine_.reset();
+  }
+
+  SimDevice& sim() { return sim_; }
+  SimClient& client() { return client_; }
+  OffloadEngine& engine() { return *engine_; }
+  StreamHandle compute() const { return compute_; }
+
+  // Forward of `plan` as step `step`, appending to `saved`, for at most `max_layers`.
+  absl::Status Forward(const StepPlan& plan, int step, SavedLayers* saved,
+                       int max_layers = 1 << 30) {
+    for (int layer = 0; layer < plan.layers() && layer < max_layers; ++layer) {
+      absl::StatusOr<GroupId> group = engine_->BeginGroup(compute_);
+      if (!group.ok()) return group.status();
+      std::vector<SavedTensor> tensors;
+      std::vector<SimBufferRef> reads;
+      for (size_t i = 0; i < plan.entry_bytes[layer].size(); ++i) {
+        SavedTensor tensor;
+        tensor.bytes = plan.entry_bytes[layer][i];
+        tensor.tag = (int64_t{step} * 1000 + layer) * 16 + static_cast<int64_t>(i);
+        tensor.source = client_.NewSource(tensor.bytes, tensor.tag);
+        absl::StatusOr<OffloadEngine::Offer> offer =
+            engine_->OfferEntry(*group, tensor.source, tensor.bytes, compute_);
+        if (!offer.ok()) {
+          sim_.FreeDeviceBuffer(tensor.source);
+          saved->push_back(std::move(tensors));
+          return offer.status();
+        }
+        tensor.entry = offer->entry;
+        client_.RegisterSource(tensor.entry, tensor.source, tensor.bytes);
+        reads.push_back({tensor.source, tensor.bytes});
+        tensors.push_back(tensor);
+      }
+      saved->push_back(std::move(tensors));
+      // The layer reads its inputs (and writes the next layer's, which already hold their
+      // pattern: the sim's compute moves no bytes).
+      sim_.Compute(compute_, plan.forward_us, reads, {}, absl::StrCat("fwd", layer));
+    }
+    return absl::OkStatus();
+  }
+
+  // Backward over `saved` in reverse, for at most `max_layers` not yet consumed layers.
+  // `discard`: the saved-tensor handles die after use (false: a retained graph).
+  absl::Status Backward(SavedLayers* saved, double backward_us, bool discard = true,
+                        int max_layers = 1 << 30) {
+    int done = 0;
+    for (int layer = static_cast<int>(saved->size()) - 1; layer >= 0 && done < max_layers;
+         --layer) {
+      std::vector<SavedTensor>& tensors = (*saved)[layer];
+      bool any = false;
+      std::vector<SimBufferRef> reads;
+      for (SavedTensor& tensor : tensors) {
+        if (tensor.entry == 0) continue;
+        any = true;
+        absl::StatusOr<OffloadEngine::Acquired> acquired =
+            engine_->Acquire(tensor.entry, compute_);
+        if (!acquired.ok()) return acquired.status();
+        if (acquired->resident) {
+          // The caller's own source: it must still hold the data right now.
+          const int64_t bad = FirstMismatch(tensor.source, tensor.bytes, tensor.tag);
+          EXPECT_EQ(bad, -1) << "resident entry " << tensor.entry << " (tag " << tensor.tag
+                             << ") differs at byte " << bad;
+          EXPECT_FALSE(client_.Released(tensor.entry))
+              << "entry " << tensor.entry << " is resident but its source was released";
+          reads.push_back({tensor.source, tensor.bytes});
+        } else {
+          EXPECT_NE(acquired->device_data, nullptr);
+          EXPECT_TRUE(client_.TakeRestore(tensor.entry, acquired->device_data))
+              << "entry " << tensor.entry << ": Acquire returned a buffer the client did not "
+              << "allocate for it";
+          consumed_.push_back({tensor.tag, acquired->device_data, tensor.bytes});
+          reads.push_back({acquired->device_data, tensor.bytes});
+        }
+      }
+      if (!any) continue;
+      sim_.Compute(compute_, backward_us, reads, {}, absl::StrCat("bwd", layer));
+      if (discard) {
+        for (SavedTensor& tensor : tensors) {
+          if (tensor.entry == 0) continue;
+          if (!engine_->Discard(tensor.entry)) client_.CallerDropped(tensor.entry);
+          tensor.entry = 0;
+        }
+      }
+      ++done;
+    }
+    return absl::OkStatus();
+  }
+
+  // Drains the device and checks every consumed restore's bytes, then frees them and the
+  // settled sources. Returns the number of buffers checked.
+  size_t DrainAndCheck() {
+    EXPECT_TRUE(sim_.SynchronizeAll().ok());
+    EXPECT_TRUE(engine_->Synchronize().ok());
+    const size_t checked = consumed_.size();
+    for (const Consumed& c : consumed_) {
+      const int64_t bad = FirstMismatch(c.data, c.bytes, c.tag);
+      EXPECT_EQ(bad, -1) << "restored tag " << c.tag << " differs at byte " << bad;
+      sim_.FreeDeviceBuffer(c.data);
+    }
+    consumed_.clear();
+    client_.FreeSettledSources();
+    return checked;
+  }
+
+  // Forward + backward + drain: the whole step.
+  void RunStep(const StepPlan& plan, int step) {
+    SavedLayers saved;
+    ASSERT_TRUE(Forward(plan, step, &saved).ok());
+    ASSERT_TRUE(Backward(&saved, plan.backward_us).ok());
+    DrainAndCheck();
+  }
+
+  // What must hold whenever nothing is in use: no hazards, no client misuse, every source
+  // settled, no restore outstanding, no host block or device byte held.
+  void ExpectQuiescent() {
+    EXPECT_TRUE(sim_.hazards().empty()) << HazardReport(sim_);
+    for (const std::string& error : client_.errors()) ADD_FAILURE() << error;
+    EXPECT_TRUE(client_.UnsettledSources().empty())
+        << client_.UnsettledSources().size() << " sources neither released nor dropped";
+    EXPECT_EQ(client_.outstanding_restores(), 0u);
+    const EngineStats stats = engine_->stats();
+    EXPECT_EQ(stats.arena.live_bytes, 0u);
+    EXPECT_EQ(stats.arena.live_blocks, 0);
+    EXPECT_EQ(stats.device_held_bytes, 0u);
+  }
+
+ private:
+  SimDevice sim_;
+  SimClient client_;
+  StreamHandle compute_;
+  std::unique_ptr<OffloadEngine> engine_;
+  std::vector<Consumed> consumed_;
+};
+
+EngineOptions Options(int keep_last, int prefetch_depth, int max_inflight = 2) {
+  EngineOptions options;
+  options.keep_last = keep_last;
+  options.prefetch_depth = prefetch_depth;
+  options.max_inflight_d2h_groups = max_inflight;
+  return options;
+}
+
+// 550,000 bytes at 55 GB/s take exactly 10 us: copy times below are round numbers.
+constexpr size_t kTenMicrosecondBytes = 550000;
+
+double CopyUs(size_t bytes, double gbps) { return static_cast<double>(bytes) / (gbps * 1e3); }
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void TearDown() override { faults::ClearAll(); }
+};
+
+// ---------------------------------------------------------------------------------------
+// keep_last x prefetch_depth: the invariants of every schedule.
+
+struct MatrixParam {
+  int keep_last;
+  int prefetch_depth;
+};
+
+class EngineScheduleMatrix : public ::testing::TestWithParam<MatrixParam> {};
+
+TEST_P(EngineScheduleMatrix, ThreeStepsAreHazardFreeIntactAndCounted) {
+  const MatrixParam param = GetParam();
+  const int kLayers = 6;
+  EngineHarness harness(Options(param.keep_last, param.prefetch_depth));
+  ASSERT_NE(&harness.engine(), nullptr);
+  // Compute-bound, copy-bound (copies 10 us, compute 3 / 2 us), compute-bound again.
+  const StepPlan plans[] = {
+      UniformPlan(kLayers, kTenMicrosecondBytes, 1, 20, 40),
+      UniformPlan(kLayers, kTenMicrosecondBytes, 1, 3, 2),
+      UniformPlan(kLayers, kTenMicrosecondBytes, 1, 20, 40),
+  };
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    harness.engine().ResetStats();
+    harness.RunStep(plans[step], step);
+    harness.ExpectQuiescent();
+    const EngineStats stats = harness.engine().stats();
+    const int64_t kept = std::min(param.keep_last, kLayers);
+    const int64_t offloaded = kLayers - kept;
+    EXPECT_EQ(stats.groups, kLayers);
+    EXPECT_EQ(stats.kept_resident_tensors, kept);
+    EXPECT_EQ(stats.offloaded_tensors, offloaded);
+    EXPECT_EQ(stats.offloaded_bytes, offloaded * kTenMicrosecondBytes);
+    EXPECT_EQ(stats.restored_tensors, offloaded);
+    EXPECT_EQ(stats.restored_bytes, offloaded * kTenMicrosecondBytes);
+    // keep_last == 0: the first group backward needs is fetched on demand.
+    const int64_t prefetched =
+        param.prefetch_depth == 0 ? 0 : offloaded - (param.keep_last == 0 ? 1 : 0);
+    EXPECT_EQ(stats.prefetched_tensors, prefetched);
+    EXPECT_EQ(stats.cap_fallbacks, 0);
+  }
+  EXPECT_EQ(harness.sim().bytes_copied_to_host(),
+            3 * (kLayers - param.keep_last) * kTenMicrosecondBytes);
+  EXPECT_EQ(harness.sim().bytes_copied_to_device(),
+            3 * (kLayers - param.keep_last) * kTenMicrosecondBytes);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    KeepLastByPrefetch, EngineScheduleMatrix,
+    ::testing::Values(MatrixParam{0, 0}, MatrixParam{0, 1}, MatrixParam{0, 2},
+                      MatrixParam{1, 0}, MatrixParam{1, 1}, MatrixParam{1, 2},
+                      MatrixParam{2, 0}, MatrixParam{2, 1}, MatrixParam{2, 2}),
+    [](const ::testing::TestParamInfo<MatrixParam>& info) {
+      return absl::StrCat("KeepLast", info.param.keep_last, "Prefetch",
+                          info.param.prefetch_depth);
+    });
+
+// ---------------------------------------------------------------------------------------
+// Exposed wait.
+//
+// Timing model of the runs below (L layers, N = keep_last, P = prefetch_depth, one entry
+// of B bytes per layer, C = B / h2d bandwidth, forward compute F >= C, backward Bk):
+// - Forward hides every D2H copy (each starts after its layer's compute and takes C <= F),
+//   so backward starts at T0 = L * F with the copy engines idle.
+// - P == 0: each restore starts only when backward reaches its layer: every offloaded
+//   layer waits C. Exposed = (L - N) * C.
+// - P >= 1 and copy-bound (Bk < C, and C >= N * Bk so the first prefetch, issued when
+//   backward starts, is still late): the H2D engine runs the (L - N) copies back to back
+//   from T0; the last backward starts when the last copy ends. Exposed = total backward
+//   time - L * Bk = (L - N) * C - (L - 1) * Bk.
+// - P >= 1 and Bk >= C: every copy overlaps the previous layer's backward. Exposed = 0,
+//   except with N == 0 where the first layer of backward has nothing to overlap: C.
+
+struct ExposureRun {
+  double blocked_us;      // what the simulated compute stream sat waiting
+  double engine_wait_us;  // what the engine measured (stats().exposed_wait_ms)
+  double copy_us;
+};
+
+ExposureRun RunExposure(int layers, int keep_last, int prefetch, double forward_us,
+                        double backward_us) {
+  SimDeviceOptions sim_options;  // 55 / 55 / 97 GB/s, no latency
+  EngineHarness harness(Options(keep_last, prefetch), sim_options);
+  harness.engine().ResetStats();
+  harness.RunStep(UniformPlan(layers, kTenMicrosecondBytes, 1, forward_us, backward_us), 0);
+  harness.ExpectQuiescent();
+  return ExposureRun{harness.sim().blocked_us(harness.compute()),
+                     harness.engine().stats().exposed_wait_ms * 1e3,
+                     CopyUs(kTenMicrosecondBytes, sim_options.h2d_gbps)};
+}
+
+void ExpectNear(double actual, double expected, const std::string& what) {
+  // The simulation is exact up to floating-point rounding.
+  EXPECT_NEAR(actual, expected, 1e-3 + 1e-6 * expected) << what;
+}
+
+TEST_F(EngineTest, ExposedWaitIsZeroWhenComputeHidesCopies) {
+  const int kLayers = 8;
+  for (int keep_last : {1, 2}) {
+    for (int prefetch : {1, 2}) {
+      SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch));
+      const ExposureRun run = RunExposure(kLayers, keep_last, prefetch, 20, 15);
+      ASSERT_LT(run.copy_us, 15);
+      ExpectNear(run.blocked_us, 0, "sim blocked_us(compute)");
+      ExpectNear(run.engine_wait_us, 0, "stats().exposed_wait_ms");
+    }
+  }
+}
+
+TEST_F(EngineTest, ExposedWaitWithKeepLastZeroIsTheFirstBackwardCopy) {
+  // Nothing stays resident, so the last layer's restore cannot overlap any backward.
+  const ExposureRun run = RunExposure(8, /*keep_last=*/0, /*prefetch=*/1, 20, 15);
+  ExpectNear(run.blocked_us, run.copy_us, "sim blocked_us(compute)");
+  ExpectNear(run.engine_wait_us, run.copy_us, "stats().exposed_wait_ms");
+}
+
+TEST_F(EngineTest, ExposedWaitWithoutPrefetchIsEveryCopy) {
+  const int kLayers = 8;
+  for (int keep_last : {0, 1, 2}) {
+    SCOPED_TRACE(absl::StrCat("keep_last=", keep_last));
+    const ExposureRun run = RunExposure(kLayers, keep_last, /*prefetch=*/0, 20, 15);
+    const double expected = (kLayers - keep_last) * run.copy_us;
+    EXPECT_GT(expected, 0);
+    ExpectNear(run.blocked_us, expected, "sim blocked_us(compute)");
+    ExpectNear(run.engine_wait_us, expected, "stats().exposed_wait_ms");
+  }
+}
+
+TEST_F(EngineTest, ExposedWaitMatchesCopyBoundPrediction) {
+  const int kLayers = 8;
+  const double kBackwardUs = 4;  // < C = 10 us: the copies cannot keep up
+  for (const MatrixParam param : {MatrixParam{0, 1}, MatrixParam{1, 1}, MatrixParam{1, 2},
+                                  MatrixParam{2, 1}, MatrixParam{2, 2}}) {
+    SCOPED_TRACE(absl::StrCat("keep_last=", param.keep_last, " prefetch=",
+                              param.prefetch_depth));
+    const ExposureRun run =
+        RunExposure(kLayers, param.keep_last, param.prefetch_depth, 20, kBackwardUs);
+    ASSERT_GE(run.copy_us, param.keep_last * kBackwardUs);  // the model's precondition
+    const double expected =
+        (kLayers - param.keep_last) * run.copy_us - (kLayers - 1) * kBackwardUs;
+    EXPECT_GT(expected, 0);
+    ExpectNear(run.blocked_us, expected, "sim blocked_us(compute)");
+    ExpectNear(run.engine_wait_us, expected, "stats().exposed_wait_ms");
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+
+TEST_F(EngineTest, DeviceHeldBytesStayWithinBound) {
+  const int kLayers = 9;
+  const int kEntries = 2;
+  const size_t kBytes = 300000;
+  const size_t kGroupBytes = kEntries * kBytes;
+  for (int keep_last : {0, 1, 2}) {
+    for (int prefetch : {0, 1, 2}) {
+      for (int max_inflight : {1, 2, 3}) {
+        // Copy-bound forward and backward (the host runs far ahead and copies pile up) and
+        // compute-bound.
+        for (const auto& [forward_us, backward_us] :
+             std::vector<std::pair<double, double>>{{1, 1}, {30, 60}}) {
+          SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch,
+                                    " max_inflight=", max_inflight, " forward_us=",
+                                    forward_us));
+          EngineHarness harness(Options(keep_last, prefetch, max_inflight));
+          harness.RunStep(UniformPlan(kLayers, kBytes, kEntries, forward_us, backward_us), 0);
+          harness.ExpectQuiescent();
+          const size_t peak = harness.engine().stats().peak_device_held_bytes;
+          const size_t bound = (keep_last + max_inflight + prefetch + 1) * kGroupBytes;
+          EXPECT_LE(peak, bound);
+          EXPECT_GE(peak, kGroupBytes);  // something was held: the bound was exercised
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reset.
+
+void ExpectPreResetEntriesAreGone(EngineHarness& harness, const SavedLayers& saved) {
+  int checked = 0;
+  for (const auto& tensors : saved) {
+    for (const SavedTensor& tensor : tensors) {
+      if (tensor.entry == 0) continue;
+      absl::StatusOr<OffloadEngine::Acquired> acquired =
+          harness.engine().Acquire(tensor.entry, harness.compute());
+      EXPECT_EQ(acquired.status().code(), absl::StatusCode::kFailedPrecondition)
+          << "entry " << tensor.entry << ": " << acquired.status();
+      // The caller's handle dies later; that is harmless now.
+      EXPECT_FALSE(harness.engine().Discard(tensor.entry));
+      ++checked;
+    }
+  }
+  EXPECT_GT(checked, 0);
+}
+
+TEST_F(EngineTest, ResetMidForwardReleasesEverythingAndNextStepWorks) {
+  for (int keep_last : {0, 1, 2}) {
+    for (double forward_us : {1.0, 30.0}) {  // copies in flight at Reset, or mostly done
+      SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " forward_us=", forward_us));
+      EngineHarness harness(Options(keep_last, 1));
+      const StepPlan plan = UniformPlan(8, kTenMicrosecondBytes, 2, forward_us, 20);
+      SavedLayers saved;
+      ASSERT_TRUE(harness.Forward(plan, 0, &saved, /*max_layers=*/5).ok());
+      ASSERT_TRUE(harness.engine().Reset().ok());
+      harness.DrainAndCheck();
+      harness.ExpectQuiescent();
+      ExpectPreResetEntriesAreGone(harness, saved);
+      harness.engine().ResetStats();
+      harness.RunStep(plan, 1);
+      harness.ExpectQuiescent();
+      EXPECT_EQ(harness.engine().stats().offloaded_tensors, 2 * (8 - keep_last));
+    }
+  }
+}
+
+TEST_F(EngineTest, ResetMidBackwardReleasesEverythingAndNextStepWorks) {
+  for (int keep_last : {0, 1, 2}) {
+    for (int prefetch : {0, 2}) {
+      SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch));
+      EngineHarness harness(Options(keep_last, prefetch));
+      const StepPlan plan = UniformPlan(8, kTenMicrosecondBytes, 2, 20, 4);
+      SavedLayers saved;
+      ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, /*max_layers=*/3).ok());
+      ASSERT_TRUE(harness.engine().Reset().ok());
+      const size_t consumed = harness.DrainAndCheck();
+      EXPECT_EQ(consumed, 2u * static_cast<size_t>(std::max(0, 3 - keep_last)));
+      harness.ExpectQuiescent();
+      if (prefetch > 0) EXPECT_GT(harness.client().dropped_restores(), 0);
+      ExpectPreResetEntriesAreGone(harness, saved);
+      harness.engine().ResetStats();
+      harness.RunStep(plan, 1);
+      harness.ExpectQuiescent();
+      EXPECT_EQ(harness.engine().stats().restored_tensors, 2 * (8 - keep_last));
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Step sequences.
+
+TEST_F(EngineTest, StepsWithDifferentGroupCountsAndSizes) {
+  EngineHarness harness(Options(1, 1));
+  StepPlan mixed;
+  mixed.entry_bytes = {{100000, 17, 4096}, {3}, {262144, 262145}, {1}, {70000, 70000, 70000}};
+  mixed.forward_us = 5;
+  mixed.backward_us = 7;
+  const StepPlan plans[] = {
+      UniformPlan(6, 65536 + 1000, 2, 10, 20),
+      UniformPlan(3, 300000, 3, 2, 3),
+      mixed,
+      UniformPlan(12, 4096, 1, 1, 1),
+      UniformPlan(1, 1 << 20, 1, 10, 10),
+  };
+  int step = 0;
+  for (const StepPlan& plan : plans) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    harness.engine().ResetStats();
+    harness.RunStep(plan, step++);
+    harness.ExpectQuiescent();
+    const EngineStats stats = harness.engine().stats();
+    int64_t entries = 0;
+    size_t bytes = 0;
+    for (int layer = 0; layer + 1 < plan.layers(); ++layer) {  // all but the last (kept)
+      entries += static_cast<int64_t>(plan.entry_bytes[layer].size());
+      bytes += plan.group_bytes(layer);
+    }
+    EXPECT_EQ(stats.groups, plan.layers());
+    EXPECT_EQ(stats.offloaded_tensors, entries);
+    EXPECT_EQ(stats.offloaded_bytes, bytes);
+    EXPECT_EQ(stats.restored_bytes, bytes);
+    EXPECT_EQ(stats.kept_resident_tensors,
+              static_cast<int64_t>(plan.entry_bytes.back().size()));
+  }
+}
+
+TEST_F(EngineTest, GradientAccumulationForwardBackwardTwice) {
+  for (int keep_last : {0, 1, 2}) {
+    SCOPED_TRACE(absl::StrCat("keep_last=", keep_last));
+    EngineHarness harness(Options(keep_last, 1));
+    const StepPlan plan = UniformPlan(6, kTenMicrosecondBytes, 1, 20, 30);
+    for (int step = 0; step < 2; ++step) {
+      for (int micro = 0; micro < 2; ++micro) {
+        SCOPED_TRACE(absl::StrCat("step ", step, " micro-batch ", micro));
+        harness.engine().ResetStats();
+        harness.RunStep(plan, step * 2 + micro);
+        harness.ExpectQuiescent();
+        const EngineStats stats = harness.engine().stats();
+        EXPECT_EQ(stats.kept_resident_tensors, keep_last);
+        EXPECT_EQ(stats.offloaded_tensors, 6 - keep_last);
+        EXPECT_EQ(stats.restored_tensors, 6 - keep_last);
+      }
+    }
+  }
+}
+
+TEST_F(EngineTest, TwoForwardsThenTwoBackwards) {
+  // Micro-batches whose forwards both run before either backward: the keep_last window
+  // slides across the first forward's end, and backward walks the second then the first.
+  for (int keep_last : {0, 1, 2}) {
+    for (int prefetch : {0, 1, 2}) {
+      SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch));
+      EngineHarness harness(Options(keep_last, prefetch));
+      const StepPlan plan = UniformPlan(5, kTenMicrosecondBytes / 2, 2, 8, 12);
+      SavedLayers first;
+      SavedLayers second;
+      ASSERT_TRUE(harness.Forward(plan, 0, &first).ok());
+      ASSERT_TRUE(harness.Forward(plan, 1, &second).ok());
+      ASSERT_TRUE(harness.Backward(&second, plan.backward_us).ok());
+      ASSERT_TRUE(harness.Backward(&first, plan.backward_us).ok());
+      harness.DrainAndCheck();
+      harness.ExpectQuiescent();
+      const EngineStats stats = harness.engine().stats();
+      EXPECT_EQ(stats.kept_resident_tensors, 2 * keep_last);
+      EXPECT_EQ(stats.offloaded_tensors, 2 * (10 - keep_last));
+    }
+  }
+}
+
+TEST_F(EngineTest, RetainedGraphAcquireTwiceReturnsEqualData) {
+  for (int keep_last : {0, 1}) {
+    for (int prefetch : {0, 1, 2}) {
+      SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch));
+      EngineHarness harness(Options(keep_last, prefetch));
+      const StepPlan plan = UniformPlan(5, kTenMicrosecondBytes, 2, 20, 5);
+      SavedLayers saved;
+      ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+
+      // The same entry twice in a row: two buffers, equal bytes.
+      const SavedTensor& probe = saved[2][1];
+      std::vector<void*> copies;
+      for (int i = 0; i < 2; ++i) {
+        absl::StatusOr<OffloadEngine::Acquired> acquired =
+            harness.engine().Acquire(probe.entry, harness.compute());
+        ASSERT_TRUE(acquired.ok()) << acquired.status();
+        ASSERT_FALSE(acquired->resident);
+        ASSERT_TRUE(harness.client().TakeRestore(probe.entry, acquired->device_data));
+        copies.push_back(acquired->device_data);
+      }
+      EXPECT_NE(copies[0], copies[1]);
+      harness.sim().Compute(harness.compute(), 1,
+                            {{copies[0], probe.bytes}, {copies[1], probe.bytes}});
+
+      // A whole backward that keeps the graph, then one that frees it.
+      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, /*discard=*/false).ok());
+      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, /*discard=*/true).ok());
+      ASSERT_TRUE(harness.sim().SynchronizeAll().ok());
+      EXPECT_EQ(FirstMismatch(copies[0], probe.bytes, probe.tag), -1);
+      EXPECT_EQ(std::memcmp(copies[0], copies[1], probe.bytes), 0);
+      for (void* copy : copies) harness.sim().FreeDeviceBuffer(copy);
+      // Every offloaded entry was restored by both backwards and checked each time.
+      EXPECT_EQ(harness.DrainAndCheck(), 2u * 2 * (5 - keep_last));
+      harness.ExpectQuiescent();
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Host memory refused.
+
+TEST_F(EngineTest, CapFallbackKeepsEntriesResidentAndIntact) {
+  for (int keep_last : {0, 1, 2}) {
+    SCOPED_TRACE(absl::StrCat("keep_last=", keep_last));
+    EngineOptions options = Options(keep_last, 1);
+    options.arena.byte_cap = 1;  // no block fits
+    EngineHarness harness(options);
+    for (int step = 0; step < 2; ++step) {
+      harness.engine().ResetStats();
+      harness.RunStep(UniformPlan(6, kTenMicrosecondBytes, 2, 20, 20), step);
+      harness.ExpectQuiescent();
+      const EngineStats stats = harness.engine().stats();
+      EXPECT_EQ(stats.cap_fallbacks, 2 * (6 - keep_last));
+      EXPECT_EQ(stats.offloaded_tensors, 0);
+      EXPECT_EQ(stats.restored_tensors, 0);
+      EXPECT_EQ(stats.kept_resident_tensors, 2 * keep_last);
+      EXPECT_GT(stats.arena.cap_rejections, 0);
+    }
+    EXPECT_EQ(harness.sim().bytes_copied_to_host(), 0u);
+  }
+}
+
+TEST_F(EngineTest, PartialCapOffloadsWhatFitsAndKeepsTheRest) {
+  const size_t kBytes = 64 * 1024;  // a multiple of the arena's block alignment
+  EngineOptions options = Options(1, 1);
+  options.arena.byte_cap = 3 * kBytes;
+  EngineHarness harness(options);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    harness.engine().ResetStats();
+    harness.RunStep(UniformPlan(8, kBytes, 1, 20, 20), step);
+    harness.ExpectQuiescent();
+    const EngineStats stats = harness.engine().stats();
+    EXPECT_EQ(stats.offloaded_tensors, 3);
+    EXPECT_EQ(stats.cap_fallbacks, 8 - 1 - 3);
+    EXPECT_EQ(stats.restored_tensors, 3);
+    EXPECT_LE(stats.arena.reserved_bytes, 3 * kBytes);
+  }
+}
+
+TEST_F(EngineTest, KeepLastZeroOfferReportsFallbackUpFront) {
+  EngineOptions options = Options(0, 1);
+  options.arena.byte_cap = 1;
+  EngineHarness harness(options);
+  absl::StatusOr<GroupId> group = harness.engine().BeginGroup(harness.compute());
+  ASSERT_TRUE(group.ok());
+  void* source = harness.client().NewSource(1024, 1);
+  absl::StatusOr<OffloadEngine::Offer> offer =
+      harness.engine().OfferEntry(*group, source, 1024, harness.compute());
+  ASSERT_TRUE(offer.ok()) << offer.status();
+  EXPECT_FALSE(offer->will_offload);
+  EXPECT_EQ(harness.engine().stats().cap_fallbacks, 1);
+  harness.client().RegisterSource(offer->entry, source, 1024);
+  EXPECT_FALSE(harness.engine().Discard(offer->entry));
+  harness.client().CallerDropped(offer->entry);
+  harness.DrainAndCheck();
+  harness.ExpectQuiescent();
+}
+
+// ---------------------------------------------------------------------------------------
+// Injected failures.
+
+TEST_F(EngineTest, InjectedCopyFailureInForwardThenResetAndNextStepWork) {
+  for (int keep_last : {0, 1, 2}) {
+    SCOPED_TRACE(absl::StrCat("keep_last=", keep_last));
+    EngineHarness harness(Options(keep_last, 1));
+    const StepPlan plan = UniformPlan(6, kTenMicrosecondBytes, 3, 5, 10);
+    // Let a few copies be queued first, so the failure lands in the middle of a group.
+    SavedLayers saved;
+    ASSERT_TRUE(harness.Forward(plan, 0, &saved, /*max_layers=*/keep_last + 2).ok());
+    faults::FailNext(faults::Fault::kCopy, 1);
+    SavedLayers more;
+    absl::Status failed = harness.Forward(plan, 1, &more);
+    EXPECT_FALSE(failed.ok());
+    EXPECT_NE(failed.message().find("injected"), std::string::npos) << failed;
+    faults::ClearAll();
+    ASSERT_TRUE(harness.engine().Reset().ok());
+    harness.DrainAndCheck();
+    harness.ExpectQuiescent();
+    harness.engine().ResetStats();
+    harness.RunStep(plan, 2);
+    harness.ExpectQuiescent();
+    EXPECT_EQ(harness.engine().stats().restored_tensors, 3 * (6 - keep_last));
+  }
+}
+
+TEST_F(EngineTest, InjectedCopyFailureInBackwardThenResetAndNextStepWork) {
+  for (int keep_last : {0, 1}) {
+    for (int prefetch : {0, 1, 2}) {
+      SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch));
+      EngineHarness harness(Options(keep_last, prefetch));
+      const StepPlan plan = UniformPlan(6, kTenMicrosecondBytes, 3, 20, 10);
+      SavedLayers saved;
+      ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, /*max_layers=*/2).ok());
+      // The second copy of the next batch fails: one restore is already queued.
+      faults::FailNext(faults::Fault::kCopy, 0);
+      SavedLayers* rest = &saved;
+      bool failed = false;
+      for (int attempt = 0; attempt < 6 && !failed; ++attempt) {
+        faults::FailNext(faults::Fault::kCopy, 1);
+        absl::Status status = harness.Backward(rest, plan.backward_us, true, 1);
+        failed = !status.ok();
+        if (failed) {
+          EXPECT_NE(status.message().find("injected"), std::string::npos) << status;
+        }
+      }
+      EXPECT_TRUE(failed) << "no backward call issued a copy";
+      faults::ClearAll();
+      ASSERT_TRUE(harness.engine().Reset().ok());
+      harness.DrainAndCheck();
+      harness.ExpectQuiescent();
+      harness.engine().ResetStats();
+      harness.RunStep(plan, 1);
+      harness.ExpectQuiescent();
+      EXPECT_EQ(harness.engine().stats().restored_tensors, 3 * (6 - keep_last));
+    }
+  }
+}
+
+TEST_F(EngineTest, FailedCopyWithoutResetKeepsDataIntact) {
+  // A caller that carries on after the error (no Reset) still gets correct bytes: the
+  // entry whose copy failed stays on the device.
+  EngineHarness harness(Options(1, 1));
+  const StepPlan plan = UniformPlan(5, kTenMicrosecondBytes, 2, 20, 30);
+  SavedLayers saved;
+  ASSERT_TRUE(harness.Forward(plan, 0, &saved, /*max_layers=*/2).ok());
+  faults::FailNext(faults::Fault::kCopy, 2);  // both entries of group 1
+  absl::StatusOr<GroupId> group = harness.engine().BeginGroup(harness.compute());
+  EXPECT_FALSE(group.ok());
+  faults::ClearAll();
+  // The failed BeginGroup's group is lost to the caller; the step continues without it.
+  SavedLayers rest;
+  StepPlan tail = UniformPlan(2, kTenMicrosecondBytes, 2, 20, 30);
+  ASSERT_TRUE(harness.Forward(tail, 1, &rest).ok());
+  ASSERT_TRUE(harness.Backward(&rest, plan.backward_us).ok());
+  ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
+  harness.DrainAndCheck();
+  harness.ExpectQuiescent();
+}
+
+// ---------------------------------------------------------------------------------------
+// Arguments.
+
+TEST_F(EngineTest, ValidateEngineOptionsNamesTheField) {
+  EXPECT_TRUE(ValidateEngineOptions(EngineOptions{}).ok());
+  struct Case {
+    EngineOptions options;
+    const char* field;
+  };
+  std::vector<Case> cases(3);
+  cases[0].options.keep_last = -1;
+  cases[0].field = "keep_last";
+  cases[1].options.prefetch_depth = -2;
+  cases[1].field = "prefetch_depth";
+  cases[2].options.max_inflight_d2h_groups = 0;
+  cases[2].field = "max_inflight_d2h_groups";
+  for (const Case& c : cases) {
+    absl::Status status = ValidateEngineOptions(c.options);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument) << c.field;
+    EXPECT_NE(status.message().find(c.field), std::string::npos) << status;
+    SimDevice sim;
+    SimClient client(&sim);
+    absl::StatusOr<std::unique_ptr<OffloadEngine>> engine =
+        OffloadEngine::Create(&sim, &client, c.options);
+    EXPECT_EQ(engine.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(engine.status().message().find(c.field), std::string::npos) << engine.status();
+  }
+}
+
+TEST_F(EngineTest, CreateRejectsNullDeviceOrClient) {
+  SimDevice sim;
+  SimClient client(&sim);
+  absl::StatusOr<std::unique_ptr<OffloadEngine>> no_device =
+      OffloadEngine::Create(nullptr, &client, EngineOptions{});
+  EXPECT_NE(no_device.status().message().find("device"), std::string::npos);
+  absl::StatusOr<std::unique_ptr<OffloadEngine>> no_client =
+      OffloadEngine::Create(&sim, nullptr, EngineOptions{});
+  EXPECT_NE(no_client.status().message().find("client"), std::string::npos);
+}
+
+TEST_F(EngineTest, BadCallsAreReportedNotFatal) {
+  EngineHarness harness(Options(1, 1));
+  OffloadEngine& engine = harness.engine();
+  absl::StatusOr<OffloadEngine::Offer> unknown_group =
+      engine.OfferEntry(12345, harness.client().NewSource(16, 0), 16, harness.compute());
+  EXPECT_EQ(unknown_group.status().code(), absl::StatusCode::kNotFound);
+  absl::StatusOr<GroupId> group = engine.BeginGroup(harness.compute());
+  ASSERT_TRUE(group.ok());
+  absl::StatusOr<OffloadEngine::Offer> null_source =
+      engine.OfferEntry(*group, nullptr, 16, harness.compute());
+  EXPECT_EQ(null_source.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(null_source.status().message().find("device_src"), std::string::npos);
+  EXPECT_EQ(engine.Acquire(999, harness.compute()).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_FALSE(engine.Discard(999));
+  // A zero-byte entry has nothing to move: it stays resident.
+  void* empty = harness.client().NewSource(0, 0);
+  absl::StatusOr<OffloadEngine::Offer> zero =
+      engine.OfferEntry(*group, empty, 0, harness.compute());
+  ASSERT_TRUE(zero.ok());
+  EXPECT_FALSE(zero->will_offload);
+  harness.client().RegisterSource(zero->entry, empty, 0);
+  absl::StatusOr<OffloadEngine::Acquired> acquired =
+      engine.Acquire(zero->entry, harness.compute());
+  ASSERT_TRUE(acquired.ok());
+  EXPECT_TRUE(acquired->resident);
+  EXPECT_FALSE(engine.Discard(zero->entry));
+  harness.client().CallerDropped(zero->entry);
+  harness.DrainAndCheck();
+  harness.ExpectQuiescent();
+}
+
+// ---------------------------------------------------------------------------------------
+// Threads: forward on one thread, backward on another (as autograd does), pipelined so
+// that step s's backward runs while step s + 1's forward is being issued.
+
+TEST_F(EngineTest, ForwardAndBackwardOnTwoThreads) {
+  const int kSteps = 40;
+  const StepPlan plan = UniformPlan(6, 4096, 2, 2, 3);
+  for (int keep_last : {0, 1}) {
+    SCOPED_TRACE(absl::StrCat("keep_last=", keep_last));
+    EngineHarness harness(Options(keep_last, 1));
+    std::mutex mu;
+    std::condition_variable cv;
+    std::deque<SavedLayers> ready;  // forwards waiting for their backward
+    bool forward_failed = false;
+    std::vector<Consumed> consumed;
+
+    std::thread forward([&] {
+      for (int step = 0; step < kSteps; ++step) {
+        SavedLayers saved;
+        absl::Status status = harness.Forward(plan, step, &saved);
+        std::lock_guard<std::mutex> lock(mu);
+        if (!status.ok()) {
+          ADD_FAILURE() << "forward " << step << ": " << status;
+          forward_failed = true;
+          cv.notify_all();
+          return;
+        }
+        ready.push_back(std::move(saved));
+        cv.notify_all();
+      }
+    });
+    std::thread backward([&] {
+      for (int step = 0; step < kSteps; ++step) {
+        SavedLayers saved;
+        {
+          std::unique_lock<std::mutex> lock(mu);
+          cv.wait(lock, [&] { return !ready.empty() || forward_failed; });
+          if (ready.empty()) return;
+          saved = std::move(ready.front());
+          ready.pop_front();
+        }
+        absl::Status status = harness.Backward(&saved, plan.backward_us);
+        if (!status.ok()) {
+          ADD_FAILURE() << "backward " << step << ": " << status;
+          return;
+        }
+      }
+    });
+    forward.join();
+    backward.join();
+    EXPECT_EQ(harness.DrainAndCheck(),
+              static_cast<size_t>(harness.engine().stats().restored_tensors));
+    harness.ExpectQuiescent();
+    const EngineStats stats = harness.engine().stats();
+    EXPECT_EQ(stats.groups, kSteps * plan.layers());
+    EXPECT_GT(stats.offloaded_tensors, 0);
+    EXPECT_EQ(stats.restored_tensors, stats.offloaded_tensors);
+  }
+}
+
+}  // namespace
+}  // namespace ckpt_offload

@@ -1,0 +1,133 @@
+"""OffloadConfig: the user-facing settings, validated when constructed."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Optional, Union
+
+BACKENDS = ("auto", "cuda", "host")
+SCOPES = ("checkpoint_inputs", "all")
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+HostMemoryLimit = Union[None, int, float, str]
+
+
+def total_host_memory_bytes() -> int:
+    """Physical RAM of this machine (from sysconf)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def local_world_size() -> int:
+    """Processes sharing this node's RAM (LOCAL_WORLD_SIZE from torchrun/accelerate)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def parse_host_memory_limit(value: HostMemoryLimit, field: str = "host_memory_limit") -> int:
+    """Bytes for a limit given as bytes, a size string ("24GiB", "512MB"), a fraction of RAM
+    in (0, 1] (e.g. 0.5), or None (half of RAM split across the node's local ranks)."""
+    accepted = ("accepted: an int of bytes, a size string like '24GiB' or '512MB', "
+                "a fraction of RAM in (0, 1] like 0.5, or None")
+    ram = total_host_memory_bytes()
+    if value is None:
+        return ram // 2 // local_world_size()
+    if isinstance(value, bool):
+        raise ValueError(f"{field}: got {value!r}; {accepted}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(f"{field}: must be positive, got {value}; {accepted}")
+        return value
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{field}: a fraction must be in (0, 1], got {value}; {accepted}")
+        return int(ram * value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        unit = match.group(2).lower() if match else None
+        if not match or unit not in _UNITS:
+            raise ValueError(f"{field}: cannot parse {value!r}; {accepted}")
+        number = float(match.group(1))
+        if unit == "" and "." in match.group(1):
+            return parse_host_memory_limit(number, field)
+        size = int(number * _UNITS[unit])
+        if size <= 0:
+            raise ValueError(f"{field}: must be positive, got {value!r}; {accepted}")
+        return size
+    raise ValueError(f"{field}: unsupported type {type(value).__name__}; {accepted}")
+
+
+def _check_int(name: str, value, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    """Settings of one offload engine.
+
+    keep_last: last N checkpoint groups (layers) stay on the device.
+    prefetch_depth: groups fetched ahead during backward.
+    min_offload_bytes: smaller saved tensors stay where they are.
+    host_memory_limit: cap on host memory for offloaded tensors (see parse_host_memory_limit).
+    backend: "auto" (offload CUDA tensors, leave others), "cuda", or "host" (CPU tensors move
+        through host memory; exists so every path runs on CPU-only machines).
+    scope: "checkpoint_inputs" (only tensors tagged by ckpt_offload.checkpoint or
+        mark_checkpoint_inputs) or "all" (every saved tensor >= min_offload_bytes).
+    max_inflight_d2h_groups: groups whose device->host copies may run at once.
+    """
+
+    keep_last: int = 1
+    prefetch_depth: int = 1
+    min_offload_bytes: int = 1 << 20
+    host_memory_limit: HostMemoryLimit = None
+    backend: str = "auto"
+    scope: str = "checkpoint_inputs"
+    max_inflight_d2h_groups: int = 2
+
+    def __post_init__(self):
+        _check_int("keep_last", self.keep_last, 0)
+        _check_int("prefetch_depth", self.prefetch_depth, 0)
+        _check_int("min_offload_bytes", self.min_offload_bytes, 0)
+        _check_int("max_inflight_d2h_groups", self.max_inflight_d2h_groups, 1)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend: must be one of {BACKENDS}, got {self.backend!r}")
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope: must be one of {SCOPES}, got {self.scope!r}")
+        parse_host_memory_limit(self.host_memory_limit)
+
+    def host_memory_limit_bytes(self) -> int:
+        return parse_host_memory_limit(self.host_memory_limit)
+
+    def resolved_backend(self) -> Optional[str]:
+        """"cuda", "host", or None when "auto" finds no GPU (then nothing is offloaded)."""
+        if self.backend != "auto":
+            return self.backend
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else None
+
+    def replace(self, **overrides) -> "OffloadConfig":
+        names = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - names)
+        if unknown:
+            raise ValueError(f"unknown OffloadConfig field(s) {unknown}; fields: {sorted(names)}")
+        return dataclasses.replace(self, **overrides)
+
+
+def make_config(config: Optional[OffloadConfig] = None, **overrides) -> OffloadConfig:
+    """`config` (or the defaults) with `overrides` applied."""
+    if config is not None and not isinstance(config, OffloadConfig):
+        raise ValueError(f"config: must be an OffloadConfig or None, got {type(config).__name__}")
+    return (config or OffloadConfig()).replace(**overrides)

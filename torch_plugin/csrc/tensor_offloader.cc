@@ -1,0 +1,396 @@
+#include "torch_plugin/csrc/tensor_offloader.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/graph_task.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+namespace ckpt_offload::torch_plugin {
+namespace {
+
+// Byte range [begin, end) of `tensor`'s storage that its elements touch.
+std::pair<int64_t, int64_t> StorageSpan(const at::Tensor& tensor) {
+  const int64_t itemsize = static_cast<int64_t>(tensor.element_size());
+  int64_t last = 0;  // element index of the furthest element, relative to the offset
+  for (int64_t d = 0; d < tensor.dim(); ++d) last += (tensor.size(d) - 1) * tensor.stride(d);
+  const int64_t begin = tensor.storage_offset() * itemsize;
+  return {begin, begin + (last + 1) * itemsize};
+}
+
+[[noreturn]] void ThrowStatus(const char* what, const absl::Status& status) {
+  TORCH_CHECK(false, "ckpt_offload: ", what, " failed: ", status.ToString());
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------
+// OffloadedStorage
+
+OffloadedStorage::OffloadedStorage(std::shared_ptr<TensorOffloader> owner, EntryId entry,
+                                   const c10::Storage& source, int64_t span_begin_bytes,
+                                   int64_t span_end_bytes, at::Device device)
+    : owner_(std::move(owner)),
+      entry_(entry),
+      source_(c10::weak_intrusive_ptr<c10::StorageImpl>(source.getWeakStorageImpl())),
+      key_(source.unsafeGetStorageImpl()),
+      span_begin_bytes_(span_begin_bytes),
+      span_end_bytes_(span_end_bytes),
+      device_(device) {}
+
+OffloadedStorage::~OffloadedStorage() { owner_->Discard(entry_, key_, this); }
+
+c10::Storage OffloadedStorage::Restore(int64_t* span_begin_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (auto restored = restored_.lock()) {
+    // Another view of this storage was restored and is still in use: share it.
+    *span_begin_bytes = span_begin_bytes_;
+    return c10::Storage(std::move(restored));
+  }
+  bool resident = false;
+  c10::Storage storage = owner_->AcquireStorage(entry_, device_, &resident);
+  if (resident) {
+    *span_begin_bytes = 0;
+  } else {
+    restored_ = c10::weak_intrusive_ptr<c10::StorageImpl>(storage.getWeakStorageImpl());
+    *span_begin_bytes = span_begin_bytes_;
+  }
+  return storage;
+}
+
+// ---------------------------------------------------------------------------------------
+// TensorOffloader
+
+absl::StatusOr<std::shared_ptr<TensorOffloader>> TensorOffloader::Create(
+    OffloaderConfig config) {
+  EngineOptions options;
+  options.keep_last = config.keep_last;
+  options.prefetch_depth = config.prefetch_depth;
+  options.max_inflight_d2h_groups = config.max_inflight_d2h_groups;
+  absl::Status valid = ValidateEngineOptions(options);
+  if (!valid.ok()) return valid;
+  if (config.min_offload_bytes < 0) {
+    return absl::InvalidArgumentError(absl::StrCat("min_offload_bytes must be >= 0 (got ",
+                                                   config.min_offload_bytes, ")"));
+  }
+#ifndef CKPT_OFFLOAD_WITH_CUDA
+  if (config.backend == Backend::kCuda) {
+    return absl::UnavailableError(
+        "backend 'cuda': this build of ckpt_offload has no CUDA support");
+  }
+#endif
+  return std::shared_ptr<TensorOffloader>(new TensorOffloader(config));
+}
+
+TensorOffloader::TensorOffloader(OffloaderConfig config) : config_(config) {}
+
+TensorOffloader::~TensorOffloader() {
+  // Holders keep the offloader alive, so none is left; drain the engine's copies.
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  if (engine_) engine_->Reset().IgnoreError();
+}
+
+bool TensorOffloader::MatchesBackend(const at::Tensor& tensor) const {
+  switch (config_.backend) {
+    case Backend::kCuda:
+      return tensor.is_cuda();
+    case Backend::kHost:
+      return tensor.device().is_cpu();
+  }
+  return false;
+}
+
+std::string TensorOffloader::IneligibleReason(const at::Tensor& tensor) const {
+  if (!tensor.defined()) return "undefined tensor";
+  if (tensor.layout() != at::kStrided) return "not a strided (dense) tensor";
+  if (tensor.is_quantized()) return "quantized tensor";
+  if (tensor.is_nested()) return "nested tensor";
+  if (tensor.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python)) {
+    return "tensor subclass (e.g. DTensor)";
+  }
+  if (!tensor.has_storage()) return "tensor without storage";
+  if (tensor.is_conj() || tensor.is_neg()) return "lazily conjugated/negated view";
+  if (tensor.is_leaf() && tensor.requires_grad()) return "parameter (leaf that requires grad)";
+  if (!MatchesBackend(tensor)) {
+    return config_.backend == Backend::kCuda ? "not a CUDA tensor" : "not a CPU tensor";
+  }
+  if (tensor.numel() == 0) return "empty tensor";
+  for (int64_t d = 0; d < tensor.dim(); ++d) {
+    if (tensor.stride(d) == 0 && tensor.size(d) > 1) return "expanded view (stride 0)";
+  }
+  if (static_cast<int64_t>(tensor.nbytes()) < config_.min_offload_bytes) {
+    return "smaller than min_offload_bytes";
+  }
+  return "";
+}
+
+StreamHandle TensorOffloader::ComputeStream(const at::Device& device) const {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+  if (device.is_cuda()) {
+    return reinterpret_cast<StreamHandle>(c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  }
+#endif
+  return 0;
+}
+
+OffloadEngine* TensorOffloader::EngineFor(const at::Device& device) {
+  // engine_mu_ held by the caller.
+  if (engine_) return engine_device_ == device ? engine_.get() : nullptr;
+  absl::StatusOr<std::unique_ptr<Device>> made;
+  if (config_.backend == Backend::kHost) {
+    made = MakeHostDevice();
+  } else {
+#ifdef CKPT_OFFLOAD_WITH_CUDA
+    c10::cuda::CUDAGuard guard(device);
+    made = MakeCudaDevice();
+#else
+    made = absl::UnavailableError("no CUDA support compiled in");
+#endif
+  }
+  if (!made.ok()) ThrowStatus("creating the device", made.status());
+  EngineOptions options;
+  options.keep_last = config_.keep_last;
+  options.prefetch_depth = config_.prefetch_depth;
+  options.max_inflight_d2h_groups = config_.max_inflight_d2h_groups;
+  options.arena.byte_cap = config_.host_memory_limit;
+  auto engine = OffloadEngine::Create(made->get(), this, options);
+  if (!engine.ok()) ThrowStatus("creating the engine", engine.status());
+  device_ = std::move(*made);
+  engine_ = std::move(*engine);
+  engine_device_ = device;
+  return engine_.get();
+}
+
+void TensorOffloader::BeginGroup(const std::vector<at::Tensor>& inputs) {
+  {
+    std::lock_guard<std::mutex> lock(tensors_mu_);
+    marked_.clear();
+    for (const at::Tensor& t : inputs) {
+      if (t.defined()) marked_.insert(t.unsafeGetTensorImpl());
+    }
+  }
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  group_open_ = false;
+  const at::Tensor* first = nullptr;
+  for (const at::Tensor& t : inputs) {
+    if (t.defined() && MatchesBackend(t)) {
+      first = &t;
+      break;
+    }
+  }
+  if (first == nullptr) return;  // nothing of ours to offload in this group
+  OffloadEngine* engine = EngineFor(first->device());
+  if (engine == nullptr) return;
+  auto group = engine->BeginGroup(ComputeStream(first->device()));
+  if (!group.ok()) ThrowStatus("starting a checkpoint group", group.status());
+  group_ = *group;
+  group_open_ = true;
+}
+
+void TensorOffloader::EndGroup() {
+  {
+    std::lock_guard<std::mutex> lock(tensors_mu_);
+    marked_.clear();
+  }
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  group_open_ = false;
+}
+
+std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
+  packed_.fetch_add(1, std::memory_order_relaxed);
+  auto skip = [this]() -> std::shared_ptr<PackedTensor> {
+    skipped_.fetch_add(1, std::memory_order_relaxed);
+    return nullptr;
+  };
+  // Tensors saved while a backward runs (a reentrant checkpoint's recompute) stay put:
+  // nothing would overlap their copies.
+  if (torch::autograd::get_current_graph_task_id() != -1) return skip();
+  if (config_.scope == Scope::kCheckpointInputs) {
+    std::lock_guard<std::mutex> lock(tensors_mu_);
+    if (marked_.count(tensor.unsafeGetTensorImpl()) == 0) return skip();
+  }
+  if (!IneligibleReason(tensor).empty()) return skip();
+
+  const c10::Storage& storage = tensor.storage();
+  const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
+  const auto [begin, end] = StorageSpan(tensor);
+  auto packed = std::make_shared<PackedTensor>();
+  packed->sizes = tensor.sizes().vec();
+  packed->strides = tensor.strides().vec();
+  packed->storage_offset_bytes = begin;
+  packed->dtype = tensor.scalar_type();
+  {
+    // Another view of a storage already offloaded: share its copy.
+    std::lock_guard<std::mutex> lock(tensors_mu_);
+    auto it = by_storage_.find(key);
+    if (it != by_storage_.end()) {
+      std::shared_ptr<OffloadedStorage> holder = it->second.lock();
+      if (holder && begin >= holder->span_begin_bytes_ && end <= holder->span_end_bytes_) {
+        shared_hits_.fetch_add(1, std::memory_order_relaxed);
+        packed->storage = std::move(holder);
+        return packed;
+      }
+    }
+  }
+
+  EntryId entry = 0;
+  {
+    std::lock_guard<std::mutex> lock(engine_mu_);
+    OffloadEngine* engine = EngineFor(tensor.device());
+    if (engine == nullptr) return skip();  // a second device: left alone
+    const StreamHandle compute = ComputeStream(tensor.device());
+    GroupId group = group_;
+    if (!group_open_) {
+      if (config_.scope == Scope::kCheckpointInputs) return skip();
+      // Scope "all" outside checkpoint groups: each saved tensor is its own group.
+      auto made = engine->BeginGroup(compute);
+      if (!made.ok()) ThrowStatus("starting a group", made.status());
+      group = *made;
+    }
+    const auto* base = static_cast<const char*>(storage.data());
+    auto offer = engine->OfferEntry(group, base + begin, static_cast<size_t>(end - begin),
+                                    compute);
+    if (!offer.ok()) ThrowStatus("offloading a saved tensor", offer.status());
+    if (!offer->will_offload) {
+      engine->Discard(offer->entry);
+      return skip();
+    }
+    entry = offer->entry;
+  }
+  auto holder = std::make_shared<OffloadedStorage>(shared_from_this(), entry, storage, begin,
+                                                   end, tensor.device());
+  {
+    std::lock_guard<std::mutex> lock(tensors_mu_);
+    if (released_early_.erase(entry) == 0) sources_.emplace(entry, tensor);
+    by_storage_[key] = holder;
+  }
+  packed->storage = std::move(holder);
+  return packed;
+}
+
+c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& device,
+                                             bool* resident) {
+  auto acquired = engine_->Acquire(entry, ComputeStream(device));
+  if (!acquired.ok()) ThrowStatus("restoring a saved tensor", acquired.status());
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  *resident = acquired->resident;
+  if (acquired->resident) {
+    auto it = sources_.find(entry);
+    TORCH_CHECK(it != sources_.end(), "ckpt_offload: resident tensor ", entry, " was lost");
+    return it->second.storage();
+  }
+  auto it = restores_.find(entry);
+  TORCH_CHECK(it != restores_.end(), "ckpt_offload: restore buffer ", entry, " was lost");
+  c10::Storage storage = it->second.storage();
+  restores_.erase(it);
+  return storage;
+}
+
+at::Tensor TensorOffloader::Unpack(const PackedTensor& packed) {
+  int64_t span_begin = 0;
+  c10::Storage storage = packed.storage->Restore(&span_begin);
+  const int64_t itemsize = static_cast<int64_t>(c10::elementSize(packed.dtype));
+  const int64_t offset = (packed.storage_offset_bytes - span_begin) / itemsize;
+  at::Tensor out = at::empty({0}, at::TensorOptions().dtype(packed.dtype).device(storage.device()));
+  out.set_(storage, offset, packed.sizes, packed.strides);
+  return out;
+}
+
+void TensorOffloader::ReleaseSource(EntryId entry) {
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  if (sources_.erase(entry) == 0) released_early_.insert(entry);
+}
+
+absl::StatusOr<void*> TensorOffloader::AllocateRestore(EntryId entry, size_t bytes) {
+  at::Tensor buffer;
+  try {
+    buffer = at::empty({static_cast<int64_t>(bytes)},
+                       at::TensorOptions().dtype(at::kByte).device(engine_device_));
+  } catch (const c10::Error& error) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("allocating ", bytes, " device bytes to restore into: ", error.what()));
+  }
+  void* data = buffer.data_ptr();
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  restores_[entry] = std::move(buffer);
+  return data;
+}
+
+void TensorOffloader::DropRestore(EntryId entry, void*) {
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  restores_.erase(entry);
+}
+
+void TensorOffloader::Discard(EntryId entry, const c10::StorageImpl* key,
+                              const OffloadedStorage* holder) {
+  bool source_needed = false;
+  if (engine_) source_needed = engine_->Discard(entry);
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  if (!source_needed) sources_.erase(entry);
+  released_early_.erase(entry);
+  auto it = by_storage_.find(key);
+  if (it != by_storage_.end() && it->second.expired()) by_storage_.erase(it);
+  (void)holder;
+}
+
+void TensorOffloader::Reset() {
+  absl::Status status = absl::OkStatus();
+  {
+    std::lock_guard<std::mutex> lock(engine_mu_);
+    group_open_ = false;
+    if (engine_) status = engine_->Reset();
+  }
+  {
+    std::lock_guard<std::mutex> lock(tensors_mu_);
+    marked_.clear();
+    restores_.clear();
+  }
+  if (!status.ok()) ThrowStatus("draining the offload engine", status);
+}
+
+void TensorOffloader::Synchronize() {
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  if (!engine_) return;
+  absl::Status status = engine_->Synchronize();
+  if (!status.ok()) ThrowStatus("synchronizing", status);
+}
+
+OffloaderStats TensorOffloader::stats() const {
+  OffloaderStats stats;
+  {
+    std::lock_guard<std::mutex> lock(engine_mu_);
+    if (engine_) stats.engine = engine_->stats();
+  }
+  stats.packed_tensors = packed_.load();
+  stats.skipped_tensors = skipped_.load();
+  stats.shared_storage_hits = shared_hits_.load();
+  return stats;
+}
+
+void TensorOffloader::ResetStats() {
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  if (engine_) engine_->ResetStats();
+  packed_ = 0;
+  skipped_ = 0;
+  shared_hits_ = 0;
+}
+
+bool TensorOffloader::has_engine() const {
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  return engine_ != nullptr;
+}
+
+void TensorOffloader::SetHostMemoryLimit(uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  config_.host_memory_limit = bytes;
+  if (engine_) engine_->arena().SetByteCap(bytes);
+}
+
+}  // namespace ckpt_offload::torch_plugin

@@ -1,0 +1,162 @@
+// TensorOffloader: adapts at::Tensor saved by autograd to the OffloadEngine.
+//
+// Contract
+// - Pack(t) returns either `t` itself (not offloadable, see Offloadable()) or a PackedTensor
+//   whose bytes the engine moves to host memory; Unpack(packed) returns a tensor with the
+//   same sizes, strides, dtype and values on the original device.
+// - Tensors sharing one storage are copied once (one engine entry per storage span) and
+//   restored as views of one storage.
+// - In scope kCheckpointInputs only tensors marked by BeginGroup() move; in scope kAll every
+//   eligible saved tensor does.
+// - A PackedTensor keeps its host copy alive (a retained graph can unpack it again) and
+//   returns it to the pool when destroyed.
+// - The compute stream is read at every call (the current CUDA stream), never cached.
+// - After Reset() (an exception in the step), unpacking an earlier PackedTensor throws.
+#ifndef CKPT_OFFLOAD_TORCH_PLUGIN_CSRC_TENSOR_OFFLOADER_H_
+#define CKPT_OFFLOAD_TORCH_PLUGIN_CSRC_TENSOR_OFFLOADER_H_
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "offload_core/device.h"
+#include "offload_core/engine.h"
+
+namespace ckpt_offload::torch_plugin {
+
+enum class Backend { kCuda, kHost };
+enum class Scope { kCheckpointInputs, kAll };
+
+struct OffloaderConfig {
+  int keep_last = 1;
+  int prefetch_depth = 1;
+  int64_t min_offload_bytes = int64_t{1} << 20;
+  uint64_t host_memory_limit = UINT64_MAX;
+  Backend backend = Backend::kCuda;
+  Scope scope = Scope::kCheckpointInputs;
+  int max_inflight_d2h_groups = 2;
+};
+
+class TensorOffloader;
+
+// One offloaded storage span, shared by every saved view of that storage.
+class OffloadedStorage {
+ public:
+  OffloadedStorage(std::shared_ptr<TensorOffloader> owner, EntryId entry,
+                   const c10::Storage& source, int64_t span_begin_bytes,
+                   int64_t span_end_bytes, at::Device device);
+  ~OffloadedStorage();
+  OffloadedStorage(const OffloadedStorage&) = delete;
+  OffloadedStorage& operator=(const OffloadedStorage&) = delete;
+
+  // The storage holding the span: the live source (kept resident) or a restored copy.
+  // `span_begin_bytes` tells where the span starts inside it.
+  c10::Storage Restore(int64_t* span_begin_bytes);
+
+ private:
+  friend class TensorOffloader;
+  std::shared_ptr<TensorOffloader> owner_;
+  EntryId entry_;
+  // A weak reference keeps the StorageImpl's address from being reused while this lives,
+  // so the address is a safe key for spotting other views of the same storage.
+  c10::weak_intrusive_ptr<c10::StorageImpl> source_;
+  const c10::StorageImpl* key_;
+  int64_t span_begin_bytes_;
+  int64_t span_end_bytes_;
+  at::Device device_;
+  std::mutex mu_;
+  c10::weak_intrusive_ptr<c10::StorageImpl> restored_{c10::intrusive_ptr<c10::StorageImpl>()};
+};
+
+// What Pack returns for an offloaded tensor.
+struct PackedTensor {
+  std::shared_ptr<OffloadedStorage> storage;
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  int64_t storage_offset_bytes = 0;  // within the original storage
+  at::ScalarType dtype = at::kFloat;
+};
+
+struct OffloaderStats {
+  EngineStats engine;
+  int64_t packed_tensors = 0;   // tensors Pack was asked about
+  int64_t skipped_tensors = 0;  // returned as-is (not marked, too small, not eligible)
+  int64_t shared_storage_hits = 0;
+};
+
+class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
+                        private OffloadEngine::Client {
+ public:
+  // Errors name the offending config field.
+  static absl::StatusOr<std::shared_ptr<TensorOffloader>> Create(OffloaderConfig config);
+  ~TensorOffloader() override;
+
+  // Starts a checkpoint group whose saved inputs are `inputs` (marks them for scope
+  // kCheckpointInputs). EndGroup() clears the marks once the checkpoint call returned.
+  void BeginGroup(const std::vector<at::Tensor>& inputs);
+  void EndGroup();
+
+  // Autograd's saved-tensor hooks. Pack returns nullptr for "keep the tensor as it is".
+  std::shared_ptr<PackedTensor> Pack(const at::Tensor& tensor);
+  at::Tensor Unpack(const PackedTensor& packed);
+
+  // Why `tensor` would not be offloaded, or empty when it would (ignores marking).
+  std::string IneligibleReason(const at::Tensor& tensor) const;
+
+  void Reset();        // throws c10::Error with the device's text when draining failed
+  void Synchronize();  // settles in-flight copies and figures
+  OffloaderStats stats() const;
+  void ResetStats();
+  const OffloaderConfig& config() const { return config_; }
+  bool has_engine() const;
+  // Host-arena cap, changeable between steps.
+  void SetHostMemoryLimit(uint64_t bytes);
+
+ private:
+  friend class OffloadedStorage;
+  explicit TensorOffloader(OffloaderConfig config);
+
+  // OffloadEngine::Client (called with the engine's lock held).
+  void ReleaseSource(EntryId entry) override;
+  absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) override;
+  void DropRestore(EntryId entry, void* data) override;
+
+  // The engine for `device`, created on first use.
+  OffloadEngine* EngineFor(const at::Device& device);
+  StreamHandle ComputeStream(const at::Device& device) const;
+  bool MatchesBackend(const at::Tensor& tensor) const;
+  void Discard(EntryId entry, const c10::StorageImpl* key, const OffloadedStorage* holder);
+  c10::Storage AcquireStorage(EntryId entry, const at::Device& device, bool* resident);
+
+  OffloaderConfig config_;  // host_memory_limit may change between steps
+
+  // Engine state; created lazily on the first offloadable tensor's device.
+  mutable std::mutex engine_mu_;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<OffloadEngine> engine_;
+  at::Device engine_device_{at::kCPU};
+  bool group_open_ = false;
+  GroupId group_ = 0;
+
+  // Tensors owned on the engine's behalf (guarded by tensors_mu_; taken inside engine calls).
+  std::mutex tensors_mu_;
+  std::unordered_map<EntryId, at::Tensor> sources_;   // until ReleaseSource / Discard
+  std::unordered_set<EntryId> released_early_;        // ReleaseSource before Pack stored it
+  std::unordered_map<EntryId, at::Tensor> restores_;  // until acquired or dropped
+  std::unordered_map<const c10::StorageImpl*, std::weak_ptr<OffloadedStorage>> by_storage_;
+  std::unordered_set<const c10::TensorImpl*> marked_;
+
+  std::atomic<int64_t> packed_{0};
+  std::atomic<int64_t> skipped_{0};
+  std::atomic<int64_t> shared_hits_{0};
+};
+
+}  // namespace ckpt_offload::torch_plugin
+
+#endif  // CKPT_OFFLOAD_TORCH_PLUGIN_CSRC_TENSOR_OFFLOADER_H_
