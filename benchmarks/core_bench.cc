@@ -22,8 +22,7 @@ constexpr size_t kKiB = size_t{1} << 10;
 constexpr size_t kMiB = size_t{1} << 20;
 
 // Fails the benchmark when the timed region allocated from the backend.
-void RequireNoBackendAllocations(benchmark::State& state, const HostArena& arena,
-                                 int64_t before) {
+void RequireNoBackendAllocations(benchmark::State& state, const HostArena& arena, int64_t before) {
   if (arena.stats().backend_allocations != before) {
     state.SkipWithError("backend allocation inside the timed loop");
   }

@@ -229,8 +229,14 @@ struct OffloadEngine::Impl {
     for (EntryId id : group.entries) {
       Entry& entry = entries.at(id);
       if (entry.state != EntryState::kPending) continue;
+      if (!issued.ok()) {
+        // After a failure the rest stay on the device: the group has left `pending`, so
+        // nothing else would ever move them out of kPending.
+        entry.state = EntryState::kResident;
+        SubHeld(entry.bytes);
+        continue;
+      }
       issued = IssueD2H(id, entry);
-      if (!issued.ok()) break;
       any_issued = any_issued || entry.state == EntryState::kOffloading;
     }
     // Copies queued before a failure still need their completion event: Poll and Reset
@@ -511,14 +517,21 @@ absl::StatusOr<GroupId> OffloadEngine::BeginGroup(StreamHandle compute) {
     s.pending.clear();
     s.EraseEmptyGroups();
   }
-  GroupId gid = s.next_group++;
-  s.groups.emplace(gid, Group{});
-  s.pending.push_back(gid);
-  s.counters.groups++;
-  while (static_cast<int>(s.pending.size()) > s.options.keep_last) {
+  // The groups that fall out of the keep_last window once this one joins it start their
+  // copies first, so a failure leaves no group the caller never heard of.
+  while (!s.pending.empty() &&
+         static_cast<int>(s.pending.size()) + 1 > s.options.keep_last) {
     GroupId oldest = s.pending.front();
     s.pending.pop_front();
     CKPT_RETURN_IF_ERROR(s.StartOffload(oldest, compute));
+  }
+  GroupId gid = s.next_group++;
+  Group& group = s.groups[gid];
+  s.counters.groups++;
+  if (s.options.keep_last == 0) {
+    group.offload_started = true;  // each entry is copied as it is offered
+  } else {
+    s.pending.push_back(gid);
   }
   return gid;
 }
@@ -558,18 +571,26 @@ absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
     return Offer{id, false};
   }
   s.AddHeld(bytes);
-  if (git->second.offload_started) {
-    // keep_last == 0 (or a late entry): offload right away. A group already copying does
-    // not add to the in-flight group count, so only a new one waits for the bound; waiting
-    // on its own earlier entries would stall the host once per tensor.
-    const bool group_in_flight =
-        std::find(s.d2h_inflight.begin(), s.d2h_inflight.end(), gid) != s.d2h_inflight.end();
-    if (!group_in_flight) CKPT_RETURN_IF_ERROR(s.BoundInflight());
-    CKPT_RETURN_IF_ERROR(s.StreamAfterCompute(s.device->d2h_stream(), compute));
-    CKPT_RETURN_IF_ERROR(s.IssueD2H(id, entry));
-    if (entry.state == EntryState::kResident) return Offer{id, false};
-    CKPT_RETURN_IF_ERROR(s.RecordD2HDone(gid, s.groups.at(gid)));
+  if (!git->second.offload_started) return Offer{id, true};
+
+  // keep_last == 0 (or a late entry): offload right away. A group already copying does
+  // not add to the in-flight group count, so only a new one waits for the bound; waiting on
+  // its own earlier entries would stall the host once per tensor.
+  const bool group_in_flight =
+      std::find(s.d2h_inflight.begin(), s.d2h_inflight.end(), gid) != s.d2h_inflight.end();
+  absl::Status status = group_in_flight ? absl::OkStatus() : s.BoundInflight();
+  if (status.ok()) status = s.StreamAfterCompute(s.device->d2h_stream(), compute);
+  if (status.ok()) status = s.IssueD2H(id, s.entries.at(id));
+  if (!status.ok()) {
+    // No copy of this entry is queued (IssueD2H undoes a failed one). The caller never
+    // learns its id and keeps its memory, so the engine forgets the entry.
+    Entry& failed = s.entries.at(id);
+    if (failed.state == EntryState::kPending) s.SubHeld(failed.bytes);
+    s.EraseEntry(id);
+    return status;
   }
+  if (s.entries.at(id).state == EntryState::kResident) return Offer{id, false};
+  CKPT_RETURN_IF_ERROR(s.RecordD2HDone(gid, s.groups.at(gid)));
   return Offer{id, true};
 }
 
@@ -593,27 +614,30 @@ absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
   if (entry.state == EntryState::kPending) {
     return absl::InternalError(absl::StrCat("entry ", id, " still pending in backward"));
   }
-  Acquired result{true, nullptr};
-  if (entry.state != EntryState::kResident) {
-    if (entry.restore == nullptr) {
-      CKPT_RETURN_IF_ERROR(s.IssueRestore(gid, compute, /*prefetch=*/false,
-                                          entry.restored_once ? id : 0));
-    }
-    Group& group = s.groups.at(gid);
-    CKPT_ASSIGN_OR_RETURN(bool copied, s.Done(group.h2d_done));
-    if (!copied) {
-      CKPT_ASSIGN_OR_RETURN(EventPtr ready, s.NewEvent());
-      CKPT_RETURN_IF_ERROR(s.device->RecordEvent(ready->handle(), compute));
-      s.pending_waits.push_back({ready, group.h2d_done});
-    }
-    CKPT_RETURN_IF_ERROR(s.device->StreamWaitEvent(compute, group.h2d_done->handle()));
-    result.resident = false;
-    result.device_data = entry.restore;
-    entry.restore = nullptr;
-    entry.restored_once = true;
-    s.SubHeld(entry.bytes);
+  const bool resident = entry.state == EntryState::kResident;
+  if (!resident && entry.restore == nullptr) {
+    CKPT_RETURN_IF_ERROR(s.IssueRestore(gid, compute, /*prefetch=*/false,
+                                        entry.restored_once ? id : 0));
   }
+  // Prefetch before the hand-over: its H2D copies queue behind this group's anyway, and a
+  // failure here must not lose a buffer already handed out (the engine would forget it,
+  // the caller would never receive it).
   CKPT_RETURN_IF_ERROR(s.Prefetch(gid, compute));
+  if (resident) return Acquired{true, nullptr};
+
+  Group& group = s.groups.at(gid);
+  CKPT_ASSIGN_OR_RETURN(bool copied, s.Done(group.h2d_done));
+  if (!copied) {
+    CKPT_ASSIGN_OR_RETURN(EventPtr ready, s.NewEvent());
+    CKPT_RETURN_IF_ERROR(s.device->RecordEvent(ready->handle(), compute));
+    s.pending_waits.push_back({ready, group.h2d_done});
+  }
+  CKPT_RETURN_IF_ERROR(s.device->StreamWaitEvent(compute, group.h2d_done->handle()));
+  Entry& acquired = s.entries.at(id);
+  Acquired result{false, acquired.restore};
+  acquired.restore = nullptr;
+  acquired.restored_once = true;
+  s.SubHeld(acquired.bytes);
   return result;
 }
 

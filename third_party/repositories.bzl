@@ -112,7 +112,9 @@ cc_import(name = "torch_python_so", shared_library = "lib/libtorch_python.so")
 cc_library(
     name = "libtorch",
     deps = [":headers", ":c10_so", ":torch_so", ":torch_cpu_so"],
-    linkopts = ["-Wl,-rpath,{lib_dir}"],
+    # RPATH (not RUNPATH) so libtorch.so finds its own siblings (libtorch_cuda.so, ...)
+    # when loaded through Bazel's symlinked library directory.
+    linkopts = ["-Wl,-rpath,{lib_dir}", "-Wl,--disable-new-dtags"],
 )
 
 # Present only in CUDA builds of torch (TORCH_HAS_CUDA_LIBS); c10_cuda holds the stream API.

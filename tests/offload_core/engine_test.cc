@@ -67,6 +67,70 @@ std::string HazardReport(const SimDevice& sim) {
 }
 
 // ---------------------------------------------------------------------------------------
+// What the engine sees of the SimDevice: every call passes through, except that a chosen
+// later copy can be made to fail. fault_injection.h can only fail the very next copy, which
+// always begins a batch; this reaches the middle of one (copies already queued).
+class CopyFailingDevice : public Device {
+ public:
+  explicit CopyFailingDevice(SimDevice* sim) : sim_(sim) {}
+
+  // The copy after `skip` more successful ones fails (d2h and h2d counted together).
+  void FailCopyAfter(int skip) {
+    std::lock_guard<std::mutex> lock(mu_);
+    copies_until_failure_ = skip;
+  }
+
+  const char* name() const override { return "sim (copy-failing)"; }
+  StreamHandle d2h_stream() const override { return sim_->d2h_stream(); }
+  StreamHandle h2d_stream() const override { return sim_->h2d_stream(); }
+  absl::StatusOr<EventHandle> CreateEvent() override { return sim_->CreateEvent(); }
+  void DestroyEvent(EventHandle event) override { sim_->DestroyEvent(event); }
+  absl::Status RecordEvent(EventHandle event, StreamHandle stream) override {
+    return sim_->RecordEvent(event, stream);
+  }
+  absl::Status StreamWaitEvent(StreamHandle stream, EventHandle event) override {
+    return sim_->StreamWaitEvent(stream, event);
+  }
+  absl::StatusOr<bool> EventDone(EventHandle event) override { return sim_->EventDone(event); }
+  absl::Status SynchronizeEvent(EventHandle event) override {
+    return sim_->SynchronizeEvent(event);
+  }
+  absl::StatusOr<double> ElapsedMs(EventHandle start, EventHandle end) override {
+    return sim_->ElapsedMs(start, end);
+  }
+  absl::Status CopyToHost(void* host_dst, const void* device_src, size_t bytes,
+                          StreamHandle stream) override {
+    if (ShouldFail()) return absl::InternalError("copy-failing device: d2h copy failed");
+    return sim_->CopyToHost(host_dst, device_src, bytes, stream);
+  }
+  absl::Status CopyToDevice(void* device_dst, const void* host_src, size_t bytes,
+                            StreamHandle stream) override {
+    if (ShouldFail()) return absl::InternalError("copy-failing device: h2d copy failed");
+    return sim_->CopyToDevice(device_dst, host_src, bytes, stream);
+  }
+  std::unique_ptr<HostMemoryBackend> MakeHostBackend() override {
+    return sim_->MakeHostBackend();
+  }
+  void OnHostBlockFreed(const void* host, size_t bytes) override {
+    sim_->OnHostBlockFreed(host, bytes);
+  }
+  void OnDeviceSourceReleased(const void* device, size_t bytes) override {
+    sim_->OnDeviceSourceReleased(device, bytes);
+  }
+
+ private:
+  bool ShouldFail() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (copies_until_failure_ < 0) return false;
+    return copies_until_failure_-- == 0;
+  }
+
+  SimDevice* sim_;
+  std::mutex mu_;
+  int copies_until_failure_ = -1;  // < 0: never
+};
+
+// ---------------------------------------------------------------------------------------
 // The caller side: sources (layer inputs), restore buffers and what the engine did to them.
 // Thread-safe; never calls into the engine (the engine calls it with its lock held).
 class SimClient : public OffloadEngine::Client {
@@ -100,10 +164,6 @@ class SimClient : public OffloadEngine::Client {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sources_.find(entry);
     if (it == sources_.end()) return;
-    if (it->second.released) {
-      errors_.push_back(absl::StrCat("entry ", entry, ": Discard returned false after "
-                                     "ReleaseSource"));
-    }
     it->second.dropped = true;
     std::memset(it->second.data, kReleasedFill, it->second.bytes);
   }
@@ -171,11 +231,22 @@ class SimClient : public OffloadEngine::Client {
     ReleaseLocked(entry, it->second);
   }
   absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (allocations_until_failure_ >= 0 && allocations_until_failure_-- == 0) {
+        return absl::ResourceExhaustedError("test client: device memory exhausted");
+      }
+    }
     void* data = sim_->AllocateDeviceBuffer(bytes);
     std::memset(data, kRestoreFill, bytes);
     std::lock_guard<std::mutex> lock(mu_);
     restores_[data] = Restore{entry, bytes};
     return data;
+  }
+  // The restore allocation after `skip` more successful ones fails.
+  void FailRestoreAllocationAfter(int skip) {
+    std::lock_guard<std::mutex> lock(mu_);
+    allocations_until_failure_ = skip;
   }
   void DropRestore(EntryId entry, void* data) override {
     {
@@ -223,6 +294,7 @@ class SimClient : public OffloadEngine::Client {
   std::map<EntryId, int> released_early_;
   std::map<void*, Restore> restores_;
   int64_t dropped_restores_ = 0;
+  int allocations_until_failure_ = -1;  // < 0: never
   std::vector<std::string> errors_;
 };
 
@@ -268,9 +340,9 @@ struct Consumed {
 class EngineHarness {
  public:
   explicit EngineHarness(EngineOptions options, SimDeviceOptions sim_options = {})
-      : sim_(sim_options), client_(&sim_), compute_(sim_.CreateStream()) {
+      : sim_(sim_options), device_(&sim_), client_(&sim_), compute_(sim_.CreateStream()) {
     absl::StatusOr<std::unique_ptr<OffloadEngine>> engine =
-        OffloadEngine::Create(&sim_, &client_, options);
+        OffloadEngine::Create(&device_, &client_, options);
     EXPECT_TRUE(engine.ok()) << engine.status();
     if (engine.ok()) engine_ = std::move(*engine);
   }
@@ -282,6 +354,7 @@ class EngineHarness {
   }
 
   SimDevice& sim() { return sim_; }
+  CopyFailingDevice& device() { return device_; }
   SimClient& client() { return client_; }
   OffloadEngine& engine() { return *engine_; }
   StreamHandle compute() const { return compute_; }
@@ -406,6 +479,7 @@ class EngineHarness {
 
  private:
   SimDevice sim_;
+  CopyFailingDevice device_;
   SimClient client_;
   StreamHandle compute_;
   std::unique_ptr<OffloadEngine> engine_;
@@ -885,13 +959,12 @@ TEST_F(EngineTest, InjectedCopyFailureInBackwardThenResetAndNextStepWork) {
       SavedLayers saved;
       ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
       ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, /*max_layers=*/2).ok());
-      // The second copy of the next batch fails: one restore is already queued.
-      faults::FailNext(faults::Fault::kCopy, 0);
-      SavedLayers* rest = &saved;
+      // The next copy fails, whichever layer's backward issues it (a resident layer without
+      // prefetch issues none).
       bool failed = false;
       for (int attempt = 0; attempt < 6 && !failed; ++attempt) {
         faults::FailNext(faults::Fault::kCopy, 1);
-        absl::Status status = harness.Backward(rest, plan.backward_us, true, 1);
+        absl::Status status = harness.Backward(&saved, plan.backward_us, true, 1);
         failed = !status.ok();
         if (failed) {
           EXPECT_NE(status.message().find("injected"), std::string::npos) << status;
@@ -910,6 +983,57 @@ TEST_F(EngineTest, InjectedCopyFailureInBackwardThenResetAndNextStepWork) {
   }
 }
 
+TEST_F(EngineTest, CopyFailureInTheMiddleOfAGroupThenReset) {
+  // Copies of the group's first entries are queued when a later one fails: Reset must
+  // still wait for them before it frees their host blocks and releases their sources.
+  for (int keep_last : {0, 1, 2}) {
+    for (int skip : {1, 2}) {
+      SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " skip=", skip));
+      EngineHarness harness(Options(keep_last, 1));
+      const StepPlan plan = UniformPlan(6, kTenMicrosecondBytes, 3, 1, 10);
+      SavedLayers saved;
+      ASSERT_TRUE(harness.Forward(plan, 0, &saved, /*max_layers=*/keep_last + 1).ok());
+      harness.device().FailCopyAfter(skip);
+      SavedLayers more;
+      absl::Status failed = harness.Forward(plan, 1, &more);
+      EXPECT_EQ(failed.message(), "copy-failing device: d2h copy failed");
+      ASSERT_TRUE(harness.engine().Reset().ok());
+      harness.DrainAndCheck();
+      harness.ExpectQuiescent();
+      harness.engine().ResetStats();
+      harness.RunStep(plan, 2);
+      harness.ExpectQuiescent();
+    }
+  }
+}
+
+TEST_F(EngineTest, RestoreFailureInTheMiddleOfABatchThenReset) {
+  // The same for H2D: the first restores of a group are queued when the next one cannot
+  // get a buffer (client) or its copy fails (device).
+  for (bool client_fails : {true, false}) {
+    for (int prefetch : {0, 1, 2}) {
+      SCOPED_TRACE(absl::StrCat(client_fails ? "client" : "device", " prefetch=", prefetch));
+      EngineHarness harness(Options(1, prefetch));
+      const StepPlan plan = UniformPlan(6, kTenMicrosecondBytes, 3, 20, 1);
+      SavedLayers saved;
+      ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+      if (client_fails) {
+        harness.client().FailRestoreAllocationAfter(1);
+      } else {
+        harness.device().FailCopyAfter(1);
+      }
+      absl::Status failed = harness.Backward(&saved, plan.backward_us);
+      EXPECT_FALSE(failed.ok());
+      ASSERT_TRUE(harness.engine().Reset().ok());
+      harness.DrainAndCheck();
+      harness.ExpectQuiescent();
+      harness.engine().ResetStats();
+      harness.RunStep(plan, 1);
+      harness.ExpectQuiescent();
+    }
+  }
+}
+
 TEST_F(EngineTest, FailedCopyWithoutResetKeepsDataIntact) {
   // A caller that carries on after the error (no Reset) still gets correct bytes: the
   // entry whose copy failed stays on the device.
@@ -917,16 +1041,19 @@ TEST_F(EngineTest, FailedCopyWithoutResetKeepsDataIntact) {
   const StepPlan plan = UniformPlan(5, kTenMicrosecondBytes, 2, 20, 30);
   SavedLayers saved;
   ASSERT_TRUE(harness.Forward(plan, 0, &saved, /*max_layers=*/2).ok());
-  faults::FailNext(faults::Fault::kCopy, 2);  // both entries of group 1
+  faults::FailNext(faults::Fault::kCopy, 1);  // the first copy of layer 1's two entries
   absl::StatusOr<GroupId> group = harness.engine().BeginGroup(harness.compute());
   EXPECT_FALSE(group.ok());
   faults::ClearAll();
-  // The failed BeginGroup's group is lost to the caller; the step continues without it.
+  // The failed BeginGroup created no group; the step carries on with two more layers.
   SavedLayers rest;
   StepPlan tail = UniformPlan(2, kTenMicrosecondBytes, 2, 20, 30);
-  ASSERT_TRUE(harness.Forward(tail, 1, &rest).ok());
-  ASSERT_TRUE(harness.Backward(&rest, plan.backward_us).ok());
-  ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
+  absl::Status status = harness.Forward(tail, 1, &rest);
+  ASSERT_TRUE(status.ok()) << status;
+  status = harness.Backward(&rest, plan.backward_us);
+  ASSERT_TRUE(status.ok()) << status;
+  status = harness.Backward(&saved, plan.backward_us);
+  ASSERT_TRUE(status.ok()) << status;
   harness.DrainAndCheck();
   harness.ExpectQuiescent();
 }
@@ -1017,7 +1144,6 @@ TEST_F(EngineTest, ForwardAndBackwardOnTwoThreads) {
     std::condition_variable cv;
     std::deque<SavedLayers> ready;  // forwards waiting for their backward
     bool forward_failed = false;
-    std::vector<Consumed> consumed;
 
     std::thread forward([&] {
       for (int step = 0; step < kSteps; ++step) {

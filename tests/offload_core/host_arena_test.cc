@@ -31,7 +31,7 @@ constexpr size_t kMiB = size_t{1} << 20;
 struct BackendLedger {
   int64_t allocations = 0;
   int64_t frees = 0;
-  std::vector<size_t> allocation_sizes;  // every successful Allocate, in order
+  std::vector<size_t> allocation_sizes;     // every successful Allocate, in order
   std::map<uintptr_t, size_t> outstanding;  // base -> bytes
   size_t outstanding_bytes = 0;
   std::vector<std::string> errors;  // contract violations seen by the backend
@@ -119,8 +119,8 @@ struct TestArena {
   std::unique_ptr<HostArena> arena;
 
   TestArena(ArenaOptions options, bool real_memory) {
-    arena = std::make_unique<HostArena>(std::make_unique<LedgerBackend>(ledger, real_memory),
-                                        options);
+    arena =
+        std::make_unique<HostArena>(std::make_unique<LedgerBackend>(ledger, real_memory), options);
   }
 };
 
@@ -144,7 +144,9 @@ HostBlock AllocateOrDie(HostArena& arena, size_t bytes) {
   return block.ok() ? *block : HostBlock{};
 }
 
-bool IsAligned(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % kHostBlockAlignment == 0; }
+bool IsAligned(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % kHostBlockAlignment == 0;
+}
 
 // Fills a block with a pattern unique to `tag` and checks it later: a block that overlaps
 // another live block, or memory the arena reused while live, shows up as a mismatch.
@@ -184,7 +186,8 @@ TEST(AlignedHostBackend, InjectedFailureSaysWhatFailed) {
   ASSERT_FALSE(memory.ok());
   EXPECT_EQ(memory.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_TRUE(absl::StrContains(memory.status().message(), "12345 bytes")) << memory.status();
-  EXPECT_TRUE(absl::StrContains(memory.status().message(), "aligned host allocation")) << memory.status();
+  EXPECT_TRUE(absl::StrContains(memory.status().message(), "aligned host allocation"))
+      << memory.status();
   absl::StatusOr<void*> next = backend->Allocate(12345);
   ASSERT_TRUE(next.ok()) << next.status();
   backend->Free(*next, 12345);
@@ -196,8 +199,8 @@ TEST(AlignedHostBackend, InjectedFailureSaysWhatFailed) {
 TEST(HostArena, BlocksAreAlignedAndAtLeastTheRequestedSize) {
   TestArena t(SmallSlabOptions(), /*real_memory=*/true);
   std::vector<HostBlock> blocks;
-  for (size_t bytes : {size_t{1}, size_t{100}, size_t{256}, size_t{257}, 40 * kKiB,
-                       64 * kKiB, 64 * kKiB + 1, 300 * kKiB}) {
+  for (size_t bytes : {size_t{1}, size_t{100}, size_t{256}, size_t{257}, 40 * kKiB, 64 * kKiB,
+                       64 * kKiB + 1, 300 * kKiB}) {
     HostBlock block = AllocateOrDie(*t.arena, bytes);
     ASSERT_TRUE(block);
     EXPECT_TRUE(IsAligned(block.data)) << bytes;
@@ -417,14 +420,14 @@ TraceResult RunVariableLengthTrace(uint64_t seed, int steps, int full_step, doub
 
 void PrintTrace(const char* label, uint64_t seed, double first_fraction,
                 const TraceResult& result) {
-  std::printf("%s seed %llu first=%.2fS: backend allocations %lld through the full step, "
-              "%lld after; reserved/peak live worst %.4f (any op) %.4f (step peaks)\n",
-              label, static_cast<unsigned long long>(seed), first_fraction,
-              static_cast<long long>(result.backend_allocations_after_full_step),
-              static_cast<long long>(result.backend_allocations_at_end -
-                                     result.backend_allocations_after_full_step),
-              result.worst_reserved_over_peak_any_op,
-              result.worst_reserved_over_peak_at_step_peaks);
+  std::printf(
+      "%s seed %llu first=%.2fS: backend allocations %lld through the full step, "
+      "%lld after; reserved/peak live worst %.4f (any op) %.4f (step peaks)\n",
+      label, static_cast<unsigned long long>(seed), first_fraction,
+      static_cast<long long>(result.backend_allocations_after_full_step),
+      static_cast<long long>(result.backend_allocations_at_end -
+                             result.backend_allocations_after_full_step),
+      result.worst_reserved_over_peak_any_op, result.worst_reserved_over_peak_at_step_peaks);
 }
 
 TEST(HostArenaVariableLengthTrace, NoBackendAllocationsAfterTheFirstFullLengthStep) {
@@ -444,9 +447,9 @@ TEST(HostArenaVariableLengthTrace, NoBackendAllocationsAfterTheFirstFullLengthSt
 
 TEST(HostArenaVariableLengthTrace, SmallSideTensorsFreedWithTheStepDoNotBreakReuse) {
   for (uint64_t seed : {11, 12, 13}) {
-    const TraceResult result = RunVariableLengthTrace(seed, /*steps=*/200, /*full_step=*/3,
-                                                      /*first_fraction=*/0.5,
-                                                      SideTensors::kFreedWithTheStep);
+    const TraceResult result =
+        RunVariableLengthTrace(seed, /*steps=*/200, /*full_step=*/3,
+                               /*first_fraction=*/0.5, SideTensors::kFreedWithTheStep);
     EXPECT_EQ(result.backend_allocations_at_end, result.backend_allocations_after_full_step)
         << "seed " << seed;
     // Early single ops are dominated by one 16 MiB shared slab; step peaks are what count.
@@ -459,9 +462,9 @@ TEST(HostArenaVariableLengthTrace, LongLivedSmallTensorsDoNotFragmentLargeSlabs)
   // Small blocks that outlive their step are what a single best-fit index over all slabs
   // gets wrong: they settle in large slabs' tails and force new large slabs later.
   for (uint64_t seed : {21, 22, 23}) {
-    const TraceResult result = RunVariableLengthTrace(seed, /*steps=*/200, /*full_step=*/3,
-                                                      /*first_fraction=*/0.5,
-                                                      SideTensors::kLiveForTwoSteps);
+    const TraceResult result =
+        RunVariableLengthTrace(seed, /*steps=*/200, /*full_step=*/3,
+                               /*first_fraction=*/0.5, SideTensors::kLiveForTwoSteps);
     EXPECT_EQ(result.large_slabs_allocated_after_full_step, 0) << "seed " << seed;
     EXPECT_LE(result.worst_reserved_over_peak_at_step_peaks, 1.15) << "seed " << seed;
     PrintTrace("long-lived side tensors", seed, 0.5, result);
@@ -499,9 +502,9 @@ TEST_P(HostArenaRandomTrace, LiveBlocksStayDisjointAlignedAndAccounted) {
 
   auto random_size = [&]() -> size_t {
     const int kind = static_cast<int>(rng() % 10);
-    if (kind == 0) return rng() % 300;                        // tiny, including 0
-    if (kind < 6) return 1 + rng() % (48 * kKiB);             // shares slabs
-    return 64 * kKiB + rng() % (192 * kKiB);                  // own slabs
+    if (kind == 0) return rng() % 300;             // tiny, including 0
+    if (kind < 6) return 1 + rng() % (48 * kKiB);  // shares slabs
+    return 64 * kKiB + rng() % (192 * kKiB);       // own slabs
   };
 
   for (int op = 0; op < 3000; ++op) {
@@ -576,13 +579,11 @@ TEST_P(HostArenaRandomTrace, LiveBlocksStayDisjointAlignedAndAccounted) {
   EXPECT_EQ(t.ledger->outstanding_bytes, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(Seeds, HostArenaRandomTrace,
-                         ::testing::Values(RandomTraceCase{1, SIZE_MAX},
-                                           RandomTraceCase{2, SIZE_MAX},
-                                           RandomTraceCase{3, SIZE_MAX},
-                                           RandomTraceCase{4, 2 * kMiB},
-                                           RandomTraceCase{5, 2 * kMiB + 12345},
-                                           RandomTraceCase{6, 3 * kMiB}));
+INSTANTIATE_TEST_SUITE_P(
+    Seeds, HostArenaRandomTrace,
+    ::testing::Values(RandomTraceCase{1, SIZE_MAX}, RandomTraceCase{2, SIZE_MAX},
+                      RandomTraceCase{3, SIZE_MAX}, RandomTraceCase{4, 2 * kMiB},
+                      RandomTraceCase{5, 2 * kMiB + 12345}, RandomTraceCase{6, 3 * kMiB}));
 
 // ---------------------------------------------------------------------------------------
 // The byte cap.
@@ -596,8 +597,10 @@ TEST(HostArenaCap, FillingTheCapExactlySucceedsAndOneMoreByteIsRefused) {
   absl::StatusOr<HostBlock> refused = t.arena->Allocate(1);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_TRUE(absl::StrContains(refused.status().message(), "request of 1 bytes")) << refused.status();
-  EXPECT_TRUE(absl::StrContains(refused.status().message(), absl::StrCat(64 * kMiB))) << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), "request of 1 bytes"))
+      << refused.status();
+  EXPECT_TRUE(absl::StrContains(refused.status().message(), absl::StrCat(64 * kMiB)))
+      << refused.status();
   ArenaStats stats = t.arena->stats();
   EXPECT_EQ(stats.cap_rejections, 1);
   EXPECT_EQ(stats.reserved_bytes, 64 * kMiB);
@@ -819,7 +822,8 @@ TEST(HostArenaFaults, BackendErrorCodeAndMessageArePropagated) {
   absl::StatusOr<HostBlock> failed = t.arena->Allocate(20 * kMiB);
   ASSERT_FALSE(failed.ok());
   EXPECT_EQ(failed.status().code(), absl::StatusCode::kUnavailable);
-  EXPECT_TRUE(absl::StrContains(failed.status().message(), "no pinned memory today")) << failed.status();
+  EXPECT_TRUE(absl::StrContains(failed.status().message(), "no pinned memory today"))
+      << failed.status();
   EXPECT_EQ(t.arena->stats().backend_failures, 1);
   HostBlock block = AllocateOrDie(*t.arena, 20 * kMiB);
   EXPECT_TRUE(block);
@@ -858,8 +862,8 @@ TEST(HostArenaConcurrency, ThreadsAllocatingAndFreeingKeepTotalsConsistent) {
       uint32_t tag = static_cast<uint32_t>(id) << 24;
       for (int op = 0; op < kOpsPerThread; ++op) {
         if (mine.empty() || rng() % 100 < 52) {
-          const size_t bytes = rng() % 4 == 0 ? 64 * kKiB + rng() % (128 * kKiB)
-                                              : 1 + rng() % (16 * kKiB);
+          const size_t bytes =
+              rng() % 4 == 0 ? 64 * kKiB + rng() % (128 * kKiB) : 1 + rng() % (16 * kKiB);
           absl::StatusOr<HostBlock> block = t.arena->Allocate(bytes);
           if (!block.ok()) {
             ++refusals[id];

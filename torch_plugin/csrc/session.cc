@@ -18,8 +18,10 @@ struct SavedInput : public ::torch::CustomClassHolder {
 
 class CheckpointFunction : public ::torch::autograd::Function<CheckpointFunction> {
  public:
-  static at::Tensor forward(AutogradContext* ctx, at::Tensor input, Session* session,
-                            LayerFn fn) {
+  // `grad_anchor` requires grad so the output does even when `input` does not: the
+  // parameters `fn` uses are not inputs of this Function.
+  static at::Tensor forward(AutogradContext* ctx, at::Tensor input, at::Tensor grad_anchor,
+                            Session* session, LayerFn fn) {
     auto saved = c10::make_intrusive<SavedInput>();
     torch_plugin::TensorOffloader& offloader = session->offloader();
     offloader.BeginGroup({input});
@@ -48,7 +50,7 @@ class CheckpointFunction : public ::torch::autograd::Function<CheckpointFunction
       output = saved->fn(input);
     }
     ::torch::autograd::backward({output}, {grad_outputs[0]});
-    return {input.grad(), at::Tensor(), at::Tensor()};
+    return {input.grad(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -69,7 +71,8 @@ Session::~Session() {
 }
 
 at::Tensor checkpoint(Session& session, LayerFn fn, const at::Tensor& input) {
-  return CheckpointFunction::apply(input, &session, std::move(fn));
+  static const at::Tensor grad_anchor = at::empty({0}).requires_grad_(true);
+  return CheckpointFunction::apply(input, grad_anchor, &session, std::move(fn));
 }
 
 }  // namespace ckpt_offload::torch
