@@ -48,6 +48,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <iterator>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <set>
@@ -291,7 +292,7 @@ struct HostArena::Impl {
     return total;
   }
 
-  // Growth policy (design note, point 3).
+  // Growth policy (design note, point 2).
   void ReleaseFreeSlabsSmallerThan(size_t need, SizeClass size_class) {
     std::vector<Slab*> too_small;
     for (const auto& entry : slabs) {

@@ -1,3 +1,5 @@
+// Tests for HostArena: invariants on random traces, the variable-sequence-length target,
+// the byte cap, stats, backend failures, threads and misuse.
 #include "offload_core/host_arena.h"
 
 #include <algorithm>

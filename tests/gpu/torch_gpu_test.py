@@ -1,0 +1,189 @@
+"""ckpt_offload on a real GPU (tag gpu): bit-exact bf16 training, the memory it saves, a
+non-default compute stream, and no pinned allocations after warm-up.
+
+Run on the GPU machine after `pip install --no-build-isolation .`:
+    python -m pytest tests/gpu/torch_gpu_test.py
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils.checkpoint
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "torch_plugin"))
+
+import ckpt_offload  # noqa: E402
+from models import grads, make_llama_stack, make_mlp_stack  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+CUDA = dict(backend="cuda", min_offload_bytes=0)
+
+
+def plain_ckpt(layer, x):
+    return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+
+
+def step(model, x, call, engine_kwargs=None):
+    model.zero_grad(set_to_none=True)
+    if engine_kwargs is None:
+        loss = model(x, call)
+        loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach(), grads(model), None
+    with ckpt_offload.offload_activations(**engine_kwargs) as engine:
+        loss = model(x, call)
+        loss.backward()
+    torch.cuda.synchronize()
+    return loss.detach(), grads(model), engine
+
+
+def assert_same(reference, got):
+    assert torch.equal(reference[0], got[0])
+    for name, value in reference[1].items():
+        assert torch.equal(value, got[1][name]), name
+
+
+@pytest.mark.parametrize("keep_last,prefetch_depth", [(0, 0), (1, 1), (2, 2), (1, 0)])
+def test_llama_like_bf16_bit_identical(keep_last, prefetch_depth):
+    model = make_llama_stack(layers=6, hidden=256, heads=4, ffn=512, dtype=torch.bfloat16).cuda()
+    x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16)
+    reference = step(model, x, plain_ckpt)
+    got = step(model, x, ckpt_offload.checkpoint,
+               dict(keep_last=keep_last, prefetch_depth=prefetch_depth, **CUDA))
+    assert_same(reference, got)
+    stats = got[2].stats()
+    assert stats["offloaded_tensors"] == 6 - keep_last
+    assert stats["restored_tensors"] == 6 - keep_last
+    assert stats["kept_resident_tensors"] == keep_last
+
+
+def test_mlp_bf16_bit_identical_under_a_non_default_stream():
+    model = make_mlp_stack(layers=8, hidden=512).to(torch.bfloat16).cuda()
+    x = torch.randn(4, 256, 512, device="cuda", dtype=torch.bfloat16)
+    reference = step(model, x, plain_ckpt)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got = step(model, x, ckpt_offload.checkpoint, dict(keep_last=1, **CUDA))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    assert_same(reference, got)
+    assert got[2].stats()["offloaded_tensors"] == 7
+
+
+class Wide(nn.Module):
+    """A layer whose only saved state across layers is its input (16 of them below)."""
+
+    def __init__(self, hidden):
+        super().__init__()
+        self.fc = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(x))
+
+
+class WideStack(nn.Module):
+    def __init__(self, layers, hidden):
+        super().__init__()
+        self.layers = nn.ModuleList(Wide(hidden) for _ in range(layers))
+
+    def forward(self, x, call):
+        x = x * 1.0  # the first layer's input belongs to the step, not to the caller
+        for layer in self.layers:
+            x = call(layer, x)
+        return x.float().pow(2).mean()
+
+
+def peak_step_bytes(model, x, call, engine_kwargs=None):
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step(model, x, call, engine_kwargs)
+    return torch.cuda.max_memory_allocated() - before
+
+
+@pytest.mark.parametrize("prefetch_depth", [0, 1])
+def test_peak_memory_saving_of_a_16_layer_model(prefetch_depth):
+    """Saving >= 95 % of the hidden states that leave the device. Each prefetched group is
+    back on the device while the group before it runs backward (that is what hides the copy),
+    so it does not count as saved."""
+    layers, keep_last = 16, 1
+    torch.manual_seed(0)
+    model = WideStack(layers, 1024).to(torch.bfloat16).cuda()
+    x = torch.randn(8, 8192, 1024, device="cuda", dtype=torch.bfloat16)
+    hidden_bytes = x.numel() * x.element_size()
+    kwargs = dict(keep_last=keep_last, prefetch_depth=prefetch_depth, **CUDA)
+    for _ in range(2):  # warm the allocator and the host pool
+        peak_step_bytes(model, x, plain_ckpt)
+        peak_step_bytes(model, x, ckpt_offload.checkpoint, kwargs)
+    plain = peak_step_bytes(model, x, plain_ckpt)
+    offload = peak_step_bytes(model, x, ckpt_offload.checkpoint, kwargs)
+    ideal = (layers - keep_last) * hidden_bytes
+    away = (layers - keep_last - prefetch_depth) * hidden_bytes
+    print(f"prefetch_depth={prefetch_depth}: peak plain {plain / 2**30:.3f} GiB, offload "
+          f"{offload / 2**30:.3f} GiB, saved {(plain - offload) / 2**30:.3f} GiB = "
+          f"{(plain - offload) / ideal:.3f} of (layers - keep_last) hidden states, "
+          f"{(plain - offload) / away:.3f} of those not prefetched")
+    assert plain - offload >= 0.95 * away
+
+
+def test_no_pinned_allocations_after_warm_up_with_changing_lengths():
+    model = make_mlp_stack(layers=8, hidden=512).to(torch.bfloat16).cuda()
+    kwargs = dict(keep_last=1, **CUDA)
+    engine = ckpt_offload.offload_activations(**kwargs)
+    step(model, torch.randn(2, 2048, 512, device="cuda", dtype=torch.bfloat16),
+         ckpt_offload.checkpoint, kwargs)
+    baseline = engine.stats()["pinned_allocations"]
+    allocations = []
+    for seq in (1024, 2048, 1536, 1100, 2000, 1800):
+        x = torch.randn(2, seq, 512, device="cuda", dtype=torch.bfloat16)
+        model.zero_grad(set_to_none=True)
+        with engine:
+            loss = model(x, ckpt_offload.checkpoint)
+            loss.backward()
+        torch.cuda.synchronize()
+        engine.synchronize()
+        stats = engine.stats()
+        allocations.append(stats["pinned_allocations"])
+        assert stats["host_live_bytes"] == 0
+    print(f"pinned allocations after warm-up per step: {allocations} (baseline {baseline})")
+    assert all(a == 0 for a in allocations)
+
+
+def test_gpu_memory_returns_to_baseline_after_each_step():
+    model = make_mlp_stack(layers=6, hidden=512).to(torch.bfloat16).cuda()
+    kwargs = dict(keep_last=1, **CUDA)
+    x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16)
+    step(model, x, ckpt_offload.checkpoint, kwargs)
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    for _ in range(3):
+        step(model, x, ckpt_offload.checkpoint, kwargs)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == baseline
+
+
+def test_exception_mid_forward_on_gpu_cleans_up():
+    model = make_mlp_stack(layers=6, hidden=512).to(torch.bfloat16).cuda()
+    x = torch.randn(2, 1024, 512, device="cuda", dtype=torch.bfloat16)
+    count = []
+
+    def failing(layer, h):
+        count.append(1)
+        if len(count) == 4:
+            raise RuntimeError("boom")
+        return ckpt_offload.checkpoint(layer, h)
+
+    with pytest.raises(RuntimeError, match="boom"):
+        with ckpt_offload.offload_activations(keep_last=1, **CUDA) as engine:
+            model(x, failing)
+    engine.synchronize()
+    assert engine.stats()["host_live_bytes"] == 0
+    assert_same(step(model, x, plain_ckpt),
+                step(model, x, ckpt_offload.checkpoint, dict(keep_last=1, **CUDA)))
