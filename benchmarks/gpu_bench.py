@@ -102,28 +102,39 @@ class SaveOnCpu(Mode):
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
-def peer_modes() -> List[Mode]:
-    """Peers' offload contexts, when their packages import here."""
+def _load_module(name: str, path: str):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def peer_modes(model_holder) -> List[Mode]:
+    """Peers' offload contexts, when their code is importable here.
+
+    TRL's activation offloading is loaded from its module file (CKPT_OFFLOAD_PEERS_DIR or an
+    installed trl) without trl's package __init__, which pulls in datasets and more.
+    """
     modes = []
+    peers_dir = os.environ.get("CKPT_OFFLOAD_PEERS_DIR", "")
+    trl_file = os.path.join(peers_dir, "trl", "models", "activation_offloading.py")
     try:
-        from trl.models.activation_offloading import OffloadActivations  # type: ignore
+        if peers_dir and os.path.exists(trl_file):
+            trl_offload = _load_module("trl_activation_offloading", trl_file)
+        else:
+            import trl.models.activation_offloading as trl_offload  # type: ignore
 
         class Trl(Mode):
             name = "trl_offload"
 
             def context(self):
-                return OffloadActivations()
+                return trl_offload.get_act_offloading_ctx_manager(model_holder[0])
 
         modes.append(Trl())
     except Exception as error:  # noqa: BLE001 - any import failure means "not available"
-        print(f"note: TRL OffloadActivations not importable ({type(error).__name__}: {error})")
-    try:
-        from axolotl.utils.gradient_checkpointing.offload_cpu import (  # type: ignore
-            CPU_Offloaded_Gradient_Checkpointer)  # noqa: F401
-
-        print("note: axolotl offload found but not wired into this harness")
-    except Exception as error:  # noqa: BLE001
-        print(f"note: axolotl hidden-states offload not importable ({type(error).__name__})")
+        print(f"note: TRL activation offloading not importable ({type(error).__name__}: {error})")
     return modes
 
 
@@ -267,7 +278,7 @@ def main(argv=None):
         if "save_on_cpu" in wanted and seq != "var":
             modes.append(SaveOnCpu())
         if "peers" in wanted and seq != "var":
-            modes.extend(peer_modes())
+            modes.extend(peer_modes([model]))
         baseline = None
         label = f"{shape}:{seq}"
         for mode in modes:

@@ -10,6 +10,9 @@
 // - Memory is reused across steps and across changing sizes; backend allocations happen only
 //   when no free range fits (see the design note in host_arena.cc).
 // - Every method is thread-safe.
+// - Misuse is a programming error: Free of an unknown pointer, a double free, or a Free
+//   with other `bytes` than Allocate returned prints the problem and aborts. Free of a null
+//   block is a no-op; Allocate(0) returns a minimal (256-byte) block.
 #ifndef CKPT_OFFLOAD_OFFLOAD_CORE_HOST_ARENA_H_
 #define CKPT_OFFLOAD_OFFLOAD_CORE_HOST_ARENA_H_
 
