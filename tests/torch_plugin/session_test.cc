@@ -12,11 +12,13 @@ namespace ckpt_offload::torch {
 namespace {
 
 struct Stack {
-  explicit Stack(int layers, int hidden) {
+  Stack(int layers, int hidden, const at::Device& device) {
     ::torch::manual_seed(0);
     for (int i = 0; i < layers; ++i) {
       ups.push_back(::torch::nn::Linear(hidden, 2 * hidden));
       downs.push_back(::torch::nn::Linear(2 * hidden, hidden));
+      ups.back()->to(device);
+      downs.back()->to(device);
     }
   }
   at::Tensor Layer(int i, const at::Tensor& x) {
@@ -41,22 +43,32 @@ struct Stack {
   std::vector<::torch::nn::Linear> ups, downs;
 };
 
-OffloaderConfig HostConfig(int keep_last, int prefetch_depth) {
+OffloaderConfig MakeConfig(Backend backend, int keep_last, int prefetch_depth) {
   OffloaderConfig config;
-  config.backend = Backend::kHost;
+  config.backend = backend;
   config.keep_last = keep_last;
   config.prefetch_depth = prefetch_depth;
   config.min_offload_bytes = 0;
   return config;
 }
 
-class SessionTest : public ::testing::TestWithParam<std::pair<int, int>> {};
+struct Case {
+  Backend backend;  // kHost runs on CPU tensors, kCuda on the GPU (skipped without one)
+  int keep_last;
+  int prefetch_depth;
+};
+
+class SessionTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(SessionTest, OffloadedCheckpointGradientsEqualDirectRun) {
-  const auto [keep_last, prefetch_depth] = GetParam();
+  const Case c = GetParam();
+  const int keep_last = c.keep_last;
+  const bool cuda = c.backend == Backend::kCuda;
+  if (cuda && !::torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device device = cuda ? at::Device(at::kCUDA, 0) : at::Device(at::kCPU);
   constexpr int kLayers = 5;
-  Stack stack(kLayers, 32);
-  at::Tensor x = ::torch::randn({4, 16, 32});
+  Stack stack(kLayers, 32, device);
+  at::Tensor x = ::torch::randn({4, 16, 32}).to(device);
 
   at::Tensor h = x;
   for (int i = 0; i < kLayers; ++i) h = stack.Layer(i, h);
@@ -65,7 +77,7 @@ TEST_P(SessionTest, OffloadedCheckpointGradientsEqualDirectRun) {
   std::vector<at::Tensor> reference = stack.Grads();
   stack.ZeroGrad();
 
-  Session session(HostConfig(keep_last, prefetch_depth));
+  Session session(MakeConfig(c.backend, keep_last, c.prefetch_depth));
   h = x;
   for (int i = 0; i < kLayers; ++i) {
     h = checkpoint(session, [&stack, i](const at::Tensor& in) { return stack.Layer(i, in); }, h);
@@ -82,17 +94,23 @@ TEST_P(SessionTest, OffloadedCheckpointGradientsEqualDirectRun) {
   EXPECT_EQ(stats.engine.offloaded_tensors, kLayers - keep_last);
   EXPECT_EQ(stats.engine.kept_resident_tensors, keep_last);
   EXPECT_EQ(stats.engine.restored_tensors, kLayers - keep_last);
-  if (prefetch_depth > 0) {
+  if (c.prefetch_depth > 0) {
     EXPECT_GE(stats.engine.prefetched_tensors, kLayers - keep_last - 1);
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(KeepLastAndPrefetch, SessionTest,
-                         ::testing::Values(std::make_pair(0, 0), std::make_pair(1, 1),
-                                           std::make_pair(2, 1), std::make_pair(1, 2)));
+INSTANTIATE_TEST_SUITE_P(HostBackend, SessionTest,
+                         ::testing::Values(Case{Backend::kHost, 0, 0}, Case{Backend::kHost, 1, 1},
+                                           Case{Backend::kHost, 2, 1},
+                                           Case{Backend::kHost, 1, 2}));
+
+// Runs on the GPU machine (tests/gpu/run_gpu_suite.sh); skipped where no GPU is visible.
+INSTANTIATE_TEST_SUITE_P(CudaBackend, SessionTest,
+                         ::testing::Values(Case{Backend::kCuda, 0, 0}, Case{Backend::kCuda, 1, 1},
+                                           Case{Backend::kCuda, 2, 2}));
 
 TEST(SessionConfig, BadFieldIsNamed) {
-  OffloaderConfig config = HostConfig(-1, 1);
+  OffloaderConfig config = MakeConfig(Backend::kHost, -1, 1);
   try {
     Session session(config);
     FAIL() << "expected an error";
