@@ -180,6 +180,44 @@ class EngineClock {
   double seconds_ = 0;
 };
 
+// A SimDevice, an engine on it, and the buffers one step needs. SimDevice records every op
+// in its timeline without bound, and that growth (page faults, reallocation) would land
+// inside the engine's timed calls, so the benchmark replaces the rig every few steps.
+struct SimRig {
+  static constexpr size_t kTensorBytes = 4 * kKiB;
+
+  SimRig(const EngineOptions& options, int layers, int per_layer)
+      : compute(sim.CreateStream()),
+        sources(layers, std::vector<void*>(per_layer)),
+        entries(layers, std::vector<EntryId>(per_layer)) {
+    auto created = OffloadEngine::Create(&sim, &client, options);
+    if (created.ok()) engine = std::move(*created);
+    for (auto& layer : sources) {
+      for (void*& source : layer) {
+        source = sim.AllocateDeviceBuffer(kTensorBytes);
+        pool.push_back(sim.AllocateDeviceBuffer(kTensorBytes));
+      }
+    }
+    client.Fill(pool);
+  }
+  ~SimRig() {
+    engine.reset();
+    for (auto& layer : sources) {
+      for (void* source : layer) sim.FreeDeviceBuffer(source);
+    }
+    for (void* data : pool) sim.FreeDeviceBuffer(data);
+  }
+
+  SimDevice sim;
+  StreamHandle compute;
+  PooledClient client;
+  std::unique_ptr<OffloadEngine> engine;
+  std::vector<std::vector<void*>> sources;
+  std::vector<std::vector<EntryId>> entries;
+  std::vector<void*> pool;
+  std::vector<void*> restored;
+};
+
 // One checkpointed step per iteration on SimDevice. Args: layers, saved tensors per layer,
 // keep_last, prefetch_depth. Tensors are 4 KiB so the simulated copies' memmove stays
 // small; per-layer compute (50 us forward, 100 us backward) hides every copy, and the
@@ -191,86 +229,80 @@ void BM_EnginePerTensorSim(benchmark::State& state) {
   EngineOptions options;
   options.keep_last = static_cast<int>(state.range(2));
   options.prefetch_depth = static_cast<int>(state.range(3));
-  constexpr size_t kTensorBytes = 4 * kKiB;
   constexpr double kForwardUs = 50;
   constexpr double kBackwardUs = 100;
-
-  SimDevice sim;
-  const StreamHandle compute = sim.CreateStream();
-  PooledClient client;
-  auto engine = OffloadEngine::Create(&sim, &client, options);
-  if (!engine.ok()) {
-    state.SkipWithError(std::string(engine.status().message()).c_str());
-    return;
-  }
-  std::vector<std::vector<void*>> sources(layers, std::vector<void*>(per_layer));
-  std::vector<void*> pool;
-  for (auto& layer : sources) {
-    for (void*& source : layer) {
-      source = sim.AllocateDeviceBuffer(kTensorBytes);
-      pool.push_back(sim.AllocateDeviceBuffer(kTensorBytes));
-    }
-  }
-  client.Fill(pool);
+  constexpr int kStepsPerRig = 64;
 
   EngineClock clock;
-  std::vector<std::vector<EntryId>> entries(layers, std::vector<EntryId>(per_layer));
-  std::vector<void*> restored;
-  double timed_seconds = 0;
   bool failed = false;
-  auto run_step = [&] {
+  auto run_step = [&](SimRig& rig) {
+    OffloadEngine& engine = *rig.engine;
     for (int layer = 0; layer < layers && !failed; ++layer) {
       clock.Time([&] {
-        absl::StatusOr<GroupId> group = (*engine)->BeginGroup(compute);
+        absl::StatusOr<GroupId> group = engine.BeginGroup(rig.compute);
         failed = !group.ok();
         for (int i = 0; i < per_layer && !failed; ++i) {
-          auto offer = (*engine)->OfferEntry(*group, sources[layer][i], kTensorBytes, compute);
+          auto offer = engine.OfferEntry(*group, rig.sources[layer][i], SimRig::kTensorBytes,
+                                         rig.compute);
           failed = !offer.ok();
-          if (!failed) entries[layer][i] = offer->entry;
+          if (!failed) rig.entries[layer][i] = offer->entry;
         }
       });
-      sim.Compute(compute, kForwardUs);
-      sim.AdvanceHost(kForwardUs);
+      rig.sim.Compute(rig.compute, kForwardUs);
+      rig.sim.AdvanceHost(kForwardUs);
     }
     for (int layer = layers - 1; layer >= 0 && !failed; --layer) {
       clock.Time([&] {
         for (int i = 0; i < per_layer && !failed; ++i) {
-          auto acquired = (*engine)->Acquire(entries[layer][i], compute);
+          auto acquired = engine.Acquire(rig.entries[layer][i], rig.compute);
           failed = !acquired.ok();
-          if (!failed && !acquired->resident) restored.push_back(acquired->device_data);
+          if (!failed && !acquired->resident) rig.restored.push_back(acquired->device_data);
         }
       });
-      sim.Compute(compute, kBackwardUs);
-      sim.AdvanceHost(kBackwardUs);
+      rig.sim.Compute(rig.compute, kBackwardUs);
+      rig.sim.AdvanceHost(kBackwardUs);
       clock.Time([&] {
-        for (int i = 0; i < per_layer; ++i) (*engine)->Discard(entries[layer][i]);
+        for (int i = 0; i < per_layer; ++i) engine.Discard(rig.entries[layer][i]);
       });
     }
     // The step's end: the device drains, consumed restore buffers go back to the pool.
-    if (!sim.SynchronizeAll().ok()) failed = true;
-    for (void* data : restored) client.Recycle(data);
-    restored.clear();
+    if (!rig.sim.SynchronizeAll().ok()) failed = true;
+    for (void* data : rig.restored) rig.client.Recycle(data);
+    rig.restored.clear();
   };
 
-  run_step();  // warm-up: the arena's slabs and the engine's maps reach their sizes
-  clock.TakeSeconds();
+  std::unique_ptr<SimRig> rig;
+  int rig_steps = kStepsPerRig;
+  double timed_seconds = 0;
+  int64_t offloaded = 0;
+  int64_t timed_steps = 0;
   for (auto _ : state) {
-    run_step();
+    if (rig_steps == kStepsPerRig) {
+      if (rig) offloaded += rig->engine->stats().offloaded_tensors;
+      rig = std::make_unique<SimRig>(options, layers, per_layer);
+      if (!rig->engine) {
+        state.SkipWithError("OffloadEngine::Create failed");
+        return;
+      }
+      run_step(*rig);  // warm-up: the arena's slabs and the engine's maps reach their sizes
+      rig->engine->ResetStats();
+      clock.TakeSeconds();
+      rig_steps = 0;
+    }
+    run_step(*rig);
+    ++rig_steps;
+    ++timed_steps;
     const double seconds = clock.TakeSeconds();
     timed_seconds += seconds;
     state.SetIterationTime(seconds);
   }
+  if (rig) offloaded += rig->engine->stats().offloaded_tensors;
   if (failed) state.SkipWithError("an engine call failed");
-  const double tensors = static_cast<double>(state.iterations()) * layers * per_layer;
+  const double tensors = static_cast<double>(timed_steps) * layers * per_layer;
   state.SetItemsProcessed(static_cast<int64_t>(tensors));
   state.counters["us_per_tensor"] = tensors > 0 ? timed_seconds * 1e6 / tensors : 0;
-  state.counters["offloaded_per_step"] = static_cast<double>(
-      (*engine)->stats().offloaded_tensors) / static_cast<double>(state.iterations() + 1);
-  engine->reset();
-  for (auto& layer : sources) {
-    for (void* source : layer) sim.FreeDeviceBuffer(source);
-  }
-  for (void* data : pool) sim.FreeDeviceBuffer(data);
+  state.counters["offloaded_per_step"] =
+      timed_steps > 0 ? static_cast<double>(offloaded) / static_cast<double>(timed_steps) : 0;
 }
 BENCHMARK(BM_EnginePerTensorSim)
     ->ArgNames({"layers", "per_layer", "keep_last", "prefetch"})

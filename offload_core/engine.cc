@@ -4,7 +4,9 @@
 // - One mutex guards all state; forward (pack) and backward (unpack) run on different
 //   threads in PyTorch, but each call is short (bookkeeping plus async copy launches).
 // - Events are shared (refcounted) because a deferred host-block free or an exposed-wait
-//   measurement may outlive the group that recorded the event.
+//   measurement may outlive the group that recorded the event, and pooled because the
+//   per-tensor paths would otherwise create and destroy several per call. A query that
+//   saw an event complete is remembered until the event is recorded again.
 // - Poll() settles work whose events completed: releases sources of finished D2H copies,
 //   frees guarded host blocks and restore buffers, accumulates exposed-wait figures. It
 //   runs at the start of every public call, so nothing waits for a dedicated thread.
@@ -24,17 +26,48 @@
 namespace ckpt_offload {
 namespace {
 
-// A device event shared by the places that must wait on it; destroyed with the last user.
+// Device events are recycled: creating and destroying one per use would double the device
+// calls on the per-tensor paths (and cudaEventCreate/cudaEventDestroy are not free).
+// Re-recording a recycled event is safe: a wait binds to the record current when it was
+// queued, and nobody queries an event that went back to the pool.
+class EventPool {
+ public:
+  explicit EventPool(Device* device) : device_(device) {}
+  ~EventPool() {
+    for (EventHandle event : free_) device_->DestroyEvent(event);
+  }
+  EventPool(const EventPool&) = delete;
+  EventPool& operator=(const EventPool&) = delete;
+
+  absl::StatusOr<EventHandle> Take() {
+    if (free_.empty()) return device_->CreateEvent();
+    EventHandle event = free_.back();
+    free_.pop_back();
+    return event;
+  }
+  void Return(EventHandle event) { free_.push_back(event); }
+
+ private:
+  Device* device_;
+  std::vector<EventHandle> free_;
+};
+
+// A pooled event shared by the places that must wait on it; it returns to the pool with
+// its last user. Only touched with the engine's lock held.
 class SharedEvent {
  public:
-  SharedEvent(Device* device, EventHandle handle) : device_(device), handle_(handle) {}
-  ~SharedEvent() { device_->DestroyEvent(handle_); }
+  SharedEvent(EventPool* pool, EventHandle handle) : pool_(pool), handle_(handle) {}
+  ~SharedEvent() { pool_->Return(handle_); }
   SharedEvent(const SharedEvent&) = delete;
   SharedEvent& operator=(const SharedEvent&) = delete;
   EventHandle handle() const { return handle_; }
 
+  // A query saw the current record complete (cleared by every record): later checks need
+  // no device call. Poll asks about the same few events on every engine call.
+  bool known_done = false;
+
  private:
-  Device* device_;
+  EventPool* pool_;
   EventHandle handle_;
 };
 using EventPtr = std::shared_ptr<SharedEvent>;
@@ -105,12 +138,14 @@ struct OffloadEngine::Impl {
       : device(device),
         client(client),
         options(options),
-        arena(device->MakeHostBackend(), options.arena) {}
+        arena(device->MakeHostBackend(), options.arena),
+        event_pool(device) {}
 
   Device* device;
   Client* client;
   EngineOptions options;
   HostArena arena;
+  EventPool event_pool;  // declared before every EventPtr holder: it must outlive them
 
   mutable std::mutex mu;
   std::unordered_map<EntryId, Entry> entries;
@@ -125,18 +160,26 @@ struct OffloadEngine::Impl {
   EntryId next_entry = 1;
   EntryId reset_watermark = 1;  // ids below this and absent from `entries` died in a Reset
   EngineStats counters;
+  EventPtr compute_mark;  // re-recorded by every StreamAfterCompute
 
   // --- helpers (mu held) ---
 
   absl::StatusOr<EventPtr> NewEvent() {
-    CKPT_ASSIGN_OR_RETURN(EventHandle handle, device->CreateEvent());
-    return std::make_shared<SharedEvent>(device, handle);
+    CKPT_ASSIGN_OR_RETURN(EventHandle handle, event_pool.Take());
+    return std::make_shared<SharedEvent>(&event_pool, handle);
+  }
+
+  absl::Status Record(const EventPtr& event, StreamHandle stream) {
+    event->known_done = false;
+    return device->RecordEvent(event->handle(), stream);
   }
 
   // True when `event` is null or complete.
   absl::StatusOr<bool> Done(const EventPtr& event) {
-    if (!event) return true;
-    return device->EventDone(event->handle());
+    if (!event || event->known_done) return true;
+    CKPT_ASSIGN_OR_RETURN(bool done, device->EventDone(event->handle()));
+    event->known_done = done;
+    return done;
   }
 
   void AddHeld(size_t bytes) {
@@ -156,9 +199,12 @@ struct OffloadEngine::Impl {
 
   // Orders `stream` after the work queued on `compute` so far.
   absl::Status StreamAfterCompute(StreamHandle stream, StreamHandle compute) {
-    CKPT_ASSIGN_OR_RETURN(EventPtr mark, NewEvent());
-    CKPT_RETURN_IF_ERROR(device->RecordEvent(mark->handle(), compute));
-    return device->StreamWaitEvent(stream, mark->handle());
+    // One event serves every call: the wait binds to the record just made.
+    if (!compute_mark) {
+      CKPT_ASSIGN_OR_RETURN(compute_mark, NewEvent());
+    }
+    CKPT_RETURN_IF_ERROR(Record(compute_mark, compute));
+    return device->StreamWaitEvent(stream, compute_mark->handle());
   }
 
   // Issues the D2H copy of one entry (its group's D2H stream ordering is set up by the
@@ -192,7 +238,7 @@ struct OffloadEngine::Impl {
     if (!group.d2h_done) {
       CKPT_ASSIGN_OR_RETURN(group.d2h_done, NewEvent());
     }
-    CKPT_RETURN_IF_ERROR(device->RecordEvent(group.d2h_done->handle(), device->d2h_stream()));
+    CKPT_RETURN_IF_ERROR(Record(group.d2h_done, device->d2h_stream()));
     if (std::find(d2h_inflight.begin(), d2h_inflight.end(), gid) == d2h_inflight.end()) {
       d2h_inflight.push_back(gid);
     }
@@ -313,7 +359,7 @@ struct OffloadEngine::Impl {
     // The copies queued before a failure need the event too: Acquire and Reset wait on it.
     if (any_issued) {
       CKPT_ASSIGN_OR_RETURN(EventPtr done, NewEvent());
-      CKPT_RETURN_IF_ERROR(device->RecordEvent(done->handle(), h2d));
+      CKPT_RETURN_IF_ERROR(Record(done, h2d));
       group.h2d_done = std::move(done);
     }
     return issued;
@@ -454,8 +500,9 @@ struct OffloadEngine::Impl {
   absl::Status SynchronizeLocked() {
     absl::Status first = absl::OkStatus();
     auto wait = [&](const EventPtr& event) {
-      if (!event) return;
+      if (!event || event->known_done) return;
       absl::Status status = device->SynchronizeEvent(event->handle());
+      if (status.ok()) event->known_done = true;
       if (first.ok() && !status.ok()) first = status;
     };
     for (auto& [gid, group] : groups) {
@@ -478,7 +525,7 @@ struct OffloadEngine::Impl {
         if (first.ok()) first = drained.status();
         continue;
       }
-      absl::Status recorded = device->RecordEvent((*drained)->handle(), stream);
+      absl::Status recorded = Record(*drained, stream);
       if (!recorded.ok()) {
         if (first.ok()) first = recorded;
         continue;
@@ -629,7 +676,7 @@ absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
   CKPT_ASSIGN_OR_RETURN(bool copied, s.Done(group.h2d_done));
   if (!copied) {
     CKPT_ASSIGN_OR_RETURN(EventPtr ready, s.NewEvent());
-    CKPT_RETURN_IF_ERROR(s.device->RecordEvent(ready->handle(), compute));
+    CKPT_RETURN_IF_ERROR(s.Record(ready, compute));
     s.pending_waits.push_back({ready, group.h2d_done});
   }
   CKPT_RETURN_IF_ERROR(s.device->StreamWaitEvent(compute, group.h2d_done->handle()));

@@ -24,6 +24,11 @@
 //   touching it completed.
 // - Reset() drains everything: waits for copies, releases every source, frees every host
 //   block. Entries alive in the caller then fail Acquire with FailedPrecondition.
+// - Errors (a device call failed): the failing call hands nothing over (BeginGroup begins
+//   no group; OfferEntry registers no entry, the caller keeps its memory; Acquire hands out
+//   no buffer). Copies queued before the failure stay tracked, and an entry whose copy out
+//   failed stays resident, so Reset() recovers and a caller that carries on sees intact
+//   data.
 //
 // Invariants (checked by tests on SimDevice)
 // - No hazards: no read before its producing copy completed, no host block reused or device
