@@ -40,7 +40,7 @@ part pytest_gpu python3 -m pytest -q -s -p no:cacheprovider gpu/torch_gpu_test.p
 for extra in ${GPU_EXTRA_TESTS:-}; do
   part "pytest_$(basename "$extra" .py)" python3 -m pytest -q -s -p no:cacheprovider "$extra"
 done
-part sanitizer_memcheck compute-sanitizer --tool memcheck --error-exitcode 9 python3 gpu/sanitizer_step.py
-part sanitizer_racecheck compute-sanitizer --tool racecheck --error-exitcode 9 python3 gpu/sanitizer_step.py
+part sanitizer_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 gpu/sanitizer_step.py
+part sanitizer_racecheck timeout 300 compute-sanitizer --tool racecheck --error-exitcode 9 python3 gpu/sanitizer_step.py
 echo "failed parts: $failures" | tee -a "$OUT/summary.log"
 exit "$failures"
