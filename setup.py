@@ -11,6 +11,16 @@ from setuptools import setup
 
 ROOT = pathlib.Path(__file__).parent.resolve()
 
+# Import name -> source directory: ckpt_offload comes from torch_plugin/, its hf and axolotl
+# subpackages from hf_integration/.
+PACKAGE_DIRS = {
+    name: path for name, path in {
+        "ckpt_offload": "torch_plugin/ckpt_offload",
+        "ckpt_offload.hf": "hf_integration/ckpt_offload/hf",
+        "ckpt_offload.axolotl": "hf_integration/ckpt_offload/axolotl",
+    }.items() if (ROOT / path / "__init__.py").exists()
+}
+
 
 def load_sources():
     lists = {}
@@ -66,12 +76,8 @@ def main():
         name="ckpt_offload",
         version="0.1.0",
         description="Activation offload for non-reentrant activation checkpointing",
-        package_dir={
-            "ckpt_offload": "torch_plugin/ckpt_offload",
-            "ckpt_offload.hf": "hf_integration/ckpt_offload/hf",
-            "ckpt_offload.axolotl": "hf_integration/ckpt_offload/axolotl",
-        },
-        packages=["ckpt_offload", "ckpt_offload.hf", "ckpt_offload.axolotl"],
+        package_dir=PACKAGE_DIRS,
+        packages=list(PACKAGE_DIRS),
         ext_modules=[extension()],
         cmdclass={"build_ext": cpp_extension.BuildExtension},
         python_requires=">=3.10",

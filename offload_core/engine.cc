@@ -89,6 +89,7 @@ struct Entry {
   void* restore = nullptr;     // issued restore buffer not yet acquired
   bool restore_was_prefetch = false;
   bool restored_once = false;  // handed out at least once (a retained graph may ask again)
+  bool reclaimed = false;      // kept for backward while its D2H was still reading it
   bool discarded = false;      // the caller's handle is gone; kept only while a copy runs
 };
 
@@ -154,6 +155,8 @@ struct OffloadEngine::Impl {
   std::deque<GroupId> d2h_inflight; // groups with D2H copies not yet known complete
   std::vector<DeferredHostFree> deferred_frees;
   std::vector<DeferredRestoreDrop> deferred_drops;
+  // Discarded reclaimed entries whose D2H still reads the source: released when it is done.
+  std::vector<std::pair<EntryId, EventPtr>> deferred_releases;
   std::vector<PendingWait> pending_waits;
   bool in_backward = false;
   GroupId next_group = 1;
@@ -307,6 +310,38 @@ struct OffloadEngine::Impl {
     pending.clear();
   }
 
+  // Entries of `group` whose D2H has not completed still have their device source: backward
+  // needs them now, so they stay on the device (no H2D, no second device buffer) and the
+  // host copy is dropped once the D2H finished writing it.
+  void ReclaimHeldSources(Group& group) {
+    for (EntryId id : group.entries) {
+      Entry& entry = entries.at(id);
+      if (entry.state != EntryState::kOffloading || !entry.source_held || entry.discarded) {
+        continue;
+      }
+      entry.state = EntryState::kResident;
+      entry.reclaimed = true;
+      SubHeld(entry.bytes);
+      counters.reclaimed_tensors++;
+      if (entry.host) {
+        deferred_frees.push_back({entry.host, {group.d2h_done}});
+        entry.host = HostBlock{};
+      }
+    }
+  }
+
+  // prefetch_depth 0 asks for memory first: wait for the forward's last copies so their
+  // sources leave the device before backward allocates.
+  absl::Status DrainForwardCopies() {
+    for (GroupId gid : d2h_inflight) {
+      auto it = groups.find(gid);
+      if (it != groups.end() && it->second.d2h_done) {
+        CKPT_RETURN_IF_ERROR(device->SynchronizeEvent(it->second.d2h_done->handle()));
+      }
+    }
+    return Poll();
+  }
+
   static bool NeedsRestore(const Entry& entry) {
     return (entry.state == EntryState::kOffloading || entry.state == EntryState::kOffloaded) &&
            entry.restore == nullptr;
@@ -317,6 +352,7 @@ struct OffloadEngine::Impl {
   absl::Status IssueRestore(GroupId gid, StreamHandle compute, bool prefetch,
                             EntryId only = 0) {
     Group& group = groups.at(gid);
+    ReclaimHeldSources(group);
     std::vector<EntryId> todo;
     for (EntryId id : group.entries) {
       const Entry& entry = entries.at(id);
@@ -465,6 +501,18 @@ struct OffloadEngine::Impl {
       FreeHostBlock(deferred_frees[i].block);
       deferred_frees[i] = std::move(deferred_frees.back());
       deferred_frees.pop_back();
+    }
+    for (size_t i = 0; i < deferred_releases.size();) {
+      CKPT_ASSIGN_OR_RETURN(bool done, Done(deferred_releases[i].second));
+      if (!done) {
+        ++i;
+        continue;
+      }
+      const EntryId id = deferred_releases[i].first;
+      ReleaseSourceOf(id, entries.at(id));
+      EraseEntry(id);
+      deferred_releases[i] = std::move(deferred_releases.back());
+      deferred_releases.pop_back();
     }
     for (size_t i = 0; i < deferred_drops.size();) {
       CKPT_ASSIGN_OR_RETURN(bool done, Done(deferred_drops[i].guard));
@@ -655,17 +703,20 @@ absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
     return absl::NotFoundError(absl::StrCat("unknown or discarded entry ", id));
   }
   CKPT_RETURN_IF_ERROR(s.Poll());
-  s.EnterBackward();
+  if (!s.in_backward) {
+    s.EnterBackward();
+    if (s.options.prefetch_depth == 0) CKPT_RETURN_IF_ERROR(s.DrainForwardCopies());
+  }
   Entry& entry = s.entries.at(id);
   const GroupId gid = entry.group;
   if (entry.state == EntryState::kPending) {
     return absl::InternalError(absl::StrCat("entry ", id, " still pending in backward"));
   }
-  const bool resident = entry.state == EntryState::kResident;
-  if (!resident && entry.restore == nullptr) {
+  if (entry.state != EntryState::kResident && entry.restore == nullptr) {
     CKPT_RETURN_IF_ERROR(s.IssueRestore(gid, compute, /*prefetch=*/false,
                                         entry.restored_once ? id : 0));
   }
+  const bool resident = s.entries.at(id).state == EntryState::kResident;
   // Prefetch before the hand-over: its H2D copies queue behind this group's anyway, and a
   // failure here must not lose a buffer already handed out (the engine would forget it,
   // the caller would never receive it).
@@ -710,10 +761,16 @@ bool OffloadEngine::Discard(EntryId id) {
       s.SubHeld(entry.bytes);
       s.EraseEntry(id);
       return false;
-    case EntryState::kResident:
+    case EntryState::kResident: {
+      auto done = s.Done(group.d2h_done);
+      if (entry.reclaimed && !(done.ok() && *done)) {
+        s.deferred_releases.push_back({id, group.d2h_done});
+        return true;
+      }
       entry.source_held = false;
       s.EraseEntry(id);
       return false;
+    }
     case EntryState::kOffloading:
       // The copy still reads the source and writes the host block: Poll finishes this.
       return true;
@@ -744,6 +801,7 @@ absl::Status OffloadEngine::Reset() {
   for (const auto& drop : s.deferred_drops) s.DropRestore(drop);
   s.deferred_frees.clear();
   s.deferred_drops.clear();
+  s.deferred_releases.clear();
   s.pending_waits.clear();
   s.entries.clear();
   s.groups.clear();

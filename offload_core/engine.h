@@ -18,7 +18,10 @@
 //   j's D2H and after the compute stream's current work), makes the compute stream wait
 //   only on j's own H2D event, and issues H2D for the next P offloaded groups below j.
 //   A restored buffer belongs to the caller once Acquire returns; the engine keeps no
-//   reference to it.
+//   reference to it. An entry whose D2H has not completed when backward needs it is
+//   *reclaimed*: its source is still on the device, so it is used as is (no H2D).
+//   With P = 0 the first Acquire of a backward waits for the forward's last D2H copies, so
+//   their sources are off the device before backward allocates (memory first).
 // - Host blocks live until Discard(entry) (the caller's saved-tensor handle died), so a
 //   retained graph can be restored again. A block returns to the arena only after every copy
 //   touching it completed.
@@ -75,6 +78,7 @@ struct EngineStats {
   int64_t prefetched_tensors = 0;     // H2D issued ahead of their Acquire
   int64_t kept_resident_tensors = 0;  // entries of the last keep_last groups
   int64_t cap_fallbacks = 0;          // entries kept on device: arena refused (cap/backend)
+  int64_t reclaimed_tensors = 0;      // backward used the still-held source (D2H unfinished)
   double exposed_wait_ms = 0;         // compute-stream time spent waiting on H2D
   size_t device_held_bytes = 0;       // now: sources not released + unacquired restores
   size_t peak_device_held_bytes = 0;

@@ -15,6 +15,11 @@ from models import grads, make_llama_stack  # noqa: E402
 
 
 def main():
+    # Math attention: cuDNN's fused SDPA kernels report shared-memory hazards of their own
+    # under racecheck, which would hide anything of ours.
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
     model = make_llama_stack(layers=3, hidden=128, heads=4, ffn=256, dtype=torch.bfloat16).cuda()
     x = torch.randn(1, 128, 128, device="cuda", dtype=torch.bfloat16)
     loss = model(x, lambda l, h: torch.utils.checkpoint.checkpoint(l, h, use_reentrant=False))

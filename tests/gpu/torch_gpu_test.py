@@ -76,14 +76,16 @@ def test_mlp_bf16_bit_identical_under_a_non_default_stream():
 
 
 class Wide(nn.Module):
-    """A layer whose only saved state across layers is its input (16 of them below)."""
+    """An MLP layer whose only state kept across layers is its input. Its compute (a 4x FFN
+    on 4096 features) outlasts the copy of its input, as in real transformer layers."""
 
     def __init__(self, hidden):
         super().__init__()
-        self.fc = nn.Linear(hidden, hidden, bias=False)
+        self.up = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = nn.Linear(4 * hidden, hidden, bias=False)
 
     def forward(self, x):
-        return x + torch.tanh(self.fc(x))
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
 class WideStack(nn.Module):
@@ -113,8 +115,8 @@ def test_peak_memory_saving_of_a_16_layer_model(prefetch_depth):
     so it does not count as saved."""
     layers, keep_last = 16, 1
     torch.manual_seed(0)
-    model = WideStack(layers, 1024).to(torch.bfloat16).cuda()
-    x = torch.randn(8, 8192, 1024, device="cuda", dtype=torch.bfloat16)
+    model = WideStack(layers, 4096).to(torch.bfloat16).cuda()
+    x = torch.randn(2, 8192, 4096, device="cuda", dtype=torch.bfloat16)
     hidden_bytes = x.numel() * x.element_size()
     kwargs = dict(keep_last=keep_last, prefetch_depth=prefetch_depth, **CUDA)
     for _ in range(2):  # warm the allocator and the host pool
@@ -150,8 +152,8 @@ def test_no_pinned_allocations_after_warm_up_with_changing_lengths():
         stats = engine.stats()
         allocations.append(stats["pinned_allocations"])
         assert stats["host_live_bytes"] == 0
-    print(f"pinned allocations after warm-up per step: {allocations} (baseline {baseline})")
-    assert all(a == 0 for a in allocations)
+    print(f"pinned allocations (cumulative) per step: {allocations}, after warm-up {baseline}")
+    assert all(a == baseline for a in allocations)
 
 
 def test_gpu_memory_returns_to_baseline_after_each_step():

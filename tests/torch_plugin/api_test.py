@@ -108,7 +108,13 @@ def test_parameters_expanded_and_small_tensors_are_never_offloaded():
     small = torch.randn(4)
     quantized = torch.quantize_per_tensor(torch.randn(64, 64), 0.1, 0, torch.qint8)
     sparse = torch.randn(64, 64).to_sparse()
-    for t in (param, expanded, small, quantized, sparse):
+    frozen = torch.nn.Parameter(torch.randn(64, 64), requires_grad=False)  # LoRA base weight
+
+    class Subclass(torch.Tensor):
+        pass
+
+    subclass = torch.randn(64, 64).as_subclass(Subclass)
+    for t in (param, expanded, small, quantized, sparse, frozen, subclass):
         assert offloader.pack(t) is t
     assert "parameter" in offloader.ineligible_reason(param)
     assert "stride 0" in offloader.ineligible_reason(expanded)

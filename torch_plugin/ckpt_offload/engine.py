@@ -19,6 +19,7 @@ from ckpt_offload.config import OffloadConfig, make_config
 STAT_KEYS = (
     "offloaded_tensors", "offloaded_bytes", "restored_tensors", "restored_bytes",
     "kept_resident_tensors", "prefetched_tensors", "exposed_wait_ms", "cap_fallbacks",
+    "reclaimed_tensors",
     "groups", "device_held_bytes", "peak_device_held_bytes", "host_reserved_bytes",
     "host_live_bytes", "host_peak_bytes", "host_live_blocks", "pinned_allocations",
     "pinned_allocation_seconds", "host_cap_rejections", "host_backend_failures",

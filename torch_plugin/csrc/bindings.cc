@@ -45,6 +45,7 @@ py::dict StatsDict(const OffloaderStats& s) {
   d["prefetched_tensors"] = e.prefetched_tensors;
   d["exposed_wait_ms"] = e.exposed_wait_ms;
   d["cap_fallbacks"] = e.cap_fallbacks;
+  d["reclaimed_tensors"] = e.reclaimed_tensors;
   d["groups"] = e.groups;
   d["device_held_bytes"] = e.device_held_bytes;
   d["peak_device_held_bytes"] = e.peak_device_held_bytes;
@@ -97,6 +98,12 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "pack",
           [](TensorOffloader& self, py::object obj) -> py::object {
+            // Tensor subclasses (nn.Parameter, including DeepSpeed ZeRO-3 partitioned ones,
+            // FSDP2's DTensor, ...) are someone else's memory to manage: leave them alone.
+            if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
+              self.CountSkipped();
+              return obj;
+            }
             auto packed = self.Pack(THPVariable_Unpack(obj.ptr()));
             if (!packed) return obj;
             return py::cast(std::move(packed));

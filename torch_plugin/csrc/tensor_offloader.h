@@ -106,6 +106,12 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   std::shared_ptr<PackedTensor> Pack(const at::Tensor& tensor);
   at::Tensor Unpack(const PackedTensor& packed);
 
+  // Counts a tensor the caller kept without asking Pack (e.g. a Python tensor subclass).
+  void CountSkipped() {
+    packed_.fetch_add(1, std::memory_order_relaxed);
+    skipped_.fetch_add(1, std::memory_order_relaxed);
+  }
+
   // Why `tensor` would not be offloaded, or empty when it would (ignores marking).
   std::string IneligibleReason(const at::Tensor& tensor) const;
 

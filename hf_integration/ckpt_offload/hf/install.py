@@ -1,0 +1,366 @@
+"""Installs ckpt_offload on one Hugging Face model instance (never on its class).
+
+What an installation changes, and `OffloadHandle.disable()` puts back exactly:
+- each checkpointing module's `_gradient_checkpointing_func` (set by
+  `gradient_checkpointing_enable`) becomes a non-reentrant torch checkpoint that tags the
+  layer's positional tensor inputs as one ckpt_offload group;
+- `model.forward` of the instance passed in is wrapped so that every forward run with grad
+  enabled (one training micro-step) happens inside the offload engine's context;
+- when gradient checkpointing was off, it is turned on (and off again on disable).
+
+Only the forward runs inside the engine's context: saved-tensor hooks pack during forward,
+and autograd unpacks (restores) during backward whether or not the context is still active.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import warnings
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.utils.checkpoint
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+import ckpt_offload
+from ckpt_offload import STAT_KEYS, OffloadConfig
+from ckpt_offload.config import make_config
+
+logger = logging.getLogger("ckpt_offload.hf")
+
+_MISSING = object()
+
+# Attributes that gradient checkpointing sets on modules; saved before and restored after.
+_CHECKPOINTING_ATTRS = (
+    "gradient_checkpointing", "_gradient_checkpointing_func",
+    "_require_grads_hooks", "_require_grads_hook",
+)
+
+# Keyword options of torch.utils.checkpoint.checkpoint that a wrapped function may carry.
+_TORCH_CHECKPOINT_OPTIONS = (
+    "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+
+# Engine figures that describe the host pool and the device right now, or count over the
+# pool's lifetime: read as they are. Peaks: the maximum over micro-steps. Every other figure
+# restarts with each micro-step (the engine's __enter__) and is summed across micro-steps.
+STANDING_FIGURES = (
+    "device_held_bytes", "host_reserved_bytes", "host_live_bytes", "host_live_blocks",
+    "pinned_allocations", "pinned_allocation_seconds", "host_cap_rejections",
+    "host_backend_failures", "micro_steps",
+)
+STEP_PEAKS = ("peak_device_held_bytes", "host_peak_bytes")
+
+_HF_OFFLOAD_CHECKPOINT = "gradient_checkpointing_enable.<locals>.checkpoint_func"
+
+
+def enable_activation_offload(model: nn.Module, config: Optional[OffloadConfig] = None,
+                              **overrides) -> "OffloadHandle":
+    """Offloads the checkpointed layers' inputs of `model` (this instance only).
+
+        handle = enable_activation_offload(model, keep_last=1)
+        for batch in loader:
+            model(**batch).loss.backward()   # each forward+backward is one engine step
+            ...
+        print(handle.stats())
+        handle.disable()                      # model exactly as before
+
+    `model` may be a PreTrainedModel, a peft.PeftModel, or a DDP/FSDP/accelerate wrapper of
+    one: layers are found through `model.modules()` and `model.forward` is what gets wrapped.
+    Overrides are OffloadConfig fields. Raises ValueError (naming the field) for bad
+    settings and for a model without any transformers GradientCheckpointingLayer, and
+    RuntimeError when ckpt_offload is already installed on the model; nothing is changed then.
+    """
+    return OffloadHandle(model, make_config(config, **overrides))
+
+
+def checkpointing_layers(model: nn.Module) -> List[GradientCheckpointingLayer]:
+    """The transformers GradientCheckpointingLayers inside `model`, in module order."""
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+class OffloadHandle:
+    """One installation of ckpt_offload on a model; see enable_activation_offload()."""
+
+    def __init__(self, model: nn.Module, config: OffloadConfig):
+        layers = checkpointing_layers(model)
+        if not layers:
+            raise ValueError(
+                f"ckpt_offload.hf: {type(model).__name__} contains no "
+                "transformers.modeling_layers.GradientCheckpointingLayer, so there are no "
+                "checkpointed layers whose inputs could be offloaded. Models whose decoder "
+                "layers do not subclass GradientCheckpointingLayer can call "
+                "ckpt_offload.checkpoint() in their own forward instead")
+        for module in model.modules():
+            if isinstance(module.__dict__.get("_gradient_checkpointing_func"),
+                          _OffloadingCheckpoint):
+                raise RuntimeError(
+                    "ckpt_offload.hf: activation offload is already installed on this model "
+                    "(by enable_activation_offload() or ActivationOffloadCallback); call "
+                    "disable() on that handle first")
+        self.model = model
+        self.config = config
+        self.engine = ckpt_offload.offload_activations(config)
+        self._layers = layers
+        self._saved_attrs: Dict[nn.Module, Dict[str, Any]] = {}
+        self._saved_hooks: Dict[nn.Module, list] = {}
+        self._saved_forward: Any = _MISSING
+        self._patched: set = set()
+        self._turned_on = False
+        self._warned_layers: set = set()
+        self._installed = False
+        self._step_open = False
+        self._latest: Dict[str, float] = {key: 0 for key in STAT_KEYS}
+        self._totals: Dict[str, float] = {}
+        self._micro_steps = 0
+        try:
+            self._install()
+        except BaseException:
+            self.disable()
+            raise
+        if self.engine.backend is None:
+            logger.warning(
+                "ckpt_offload.hf: backend='auto' found no CUDA device, so nothing will be "
+                "offloaded (backend='host' moves CPU tensors through host memory, for tests)")
+
+    # Installing and uninstalling.
+
+    def _install(self) -> None:
+        self._save_checkpointing_attrs()
+        if not any(layer.gradient_checkpointing for layer in self._layers):
+            self._turn_on_checkpointing()
+            self._turned_on = True
+        notes = []
+        for module in self.model.modules():
+            original = module.__dict__.get("_gradient_checkpointing_func", _MISSING)
+            if original is _MISSING:
+                continue
+            options, module_notes = _checkpoint_options(original)
+            notes.extend(n for n in module_notes if n not in notes)
+            module._gradient_checkpointing_func = _OffloadingCheckpoint(self, options)
+            self._patched.add(module)
+        if notes:
+            warnings.warn("ckpt_offload.hf: " + "; ".join(notes), UserWarning, stacklevel=4)
+        self._wrap_forward()
+        self._installed = True
+
+    def _save_checkpointing_attrs(self) -> None:
+        for module in self.model.modules():
+            if hasattr(module, "gradient_checkpointing") or isinstance(module, PreTrainedModel):
+                self._saved_attrs[module] = {
+                    name: module.__dict__.get(name, _MISSING) for name in _CHECKPOINTING_ATTRS}
+                self._saved_hooks[module] = list(module.__dict__.get("_require_grads_hooks") or [])
+
+    def _turn_on_checkpointing(self) -> None:
+        pretrained = next((m for m in self.model.modules() if isinstance(m, PreTrainedModel)
+                           and m.supports_gradient_checkpointing), None)
+        if pretrained is not None:
+            pretrained.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            for layer in self._layers:
+                layer.gradient_checkpointing = True
+                layer._gradient_checkpointing_func = functools.partial(
+                    torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        logger.warning(
+            "ckpt_offload.hf: gradient checkpointing was off; turned it on (non-reentrant) "
+            "for %d layers, since activation offload moves the checkpointed layers' inputs",
+            len(self._layers))
+
+    def _wrap_forward(self) -> None:
+        original = self.model.forward
+        handle = self
+
+        @functools.wraps(original)
+        def forward(*args, **kwargs):
+            # Evaluation and generation (no grad) save nothing: they run untouched, and a
+            # context the user entered around the call is theirs to keep.
+            if not torch.is_grad_enabled() or ckpt_offload.current_engine() is not None:
+                return original(*args, **kwargs)
+            handle._begin_step()
+            with handle.engine:
+                return original(*args, **kwargs)
+
+        forward.__ckpt_offload_handle__ = self
+        self._saved_forward = self.model.__dict__.get("forward", _MISSING)
+        self.model.forward = forward
+
+    def disable(self) -> None:
+        """Uninstalls: forward, checkpoint functions and checkpointing flags as before.
+
+        Idempotent. Figures stay readable through stats() and totals()."""
+        if self._step_open:
+            self._harvest(synchronize=True)
+        forward = self.model.__dict__.get("forward")
+        if getattr(forward, "__ckpt_offload_handle__", None) is self:
+            if self._saved_forward is _MISSING:
+                del self.model.forward
+            else:
+                self.model.forward = self._saved_forward
+        self._saved_forward = _MISSING
+        for module, saved in self._saved_attrs.items():
+            current = module.__dict__.get("_gradient_checkpointing_func")
+            if module in self._patched:
+                if not (isinstance(current, _OffloadingCheckpoint) and current.handle is self):
+                    continue  # replaced since (gradient_checkpointing_enable again): keep it
+            elif not self._turned_on:
+                continue  # untouched by this installation
+            for hook in module.__dict__.get("_require_grads_hooks") or []:
+                if hook not in self._saved_hooks[module]:
+                    hook.remove()
+            for name, value in saved.items():
+                if value is _MISSING:
+                    module.__dict__.pop(name, None)
+                else:
+                    module.__dict__[name] = value
+        self._saved_attrs.clear()
+        self._saved_hooks.clear()
+        self._patched.clear()
+        self._turned_on = False
+        self._installed = False
+
+    @property
+    def installed(self) -> bool:
+        return self._installed
+
+    def __enter__(self) -> "OffloadHandle":
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        self.disable()
+        return False
+
+    # Figures.
+
+    def _begin_step(self) -> None:
+        if self._step_open:
+            self._harvest(synchronize=False)
+        self._micro_steps += 1
+        self._step_open = True
+
+    def _harvest(self, synchronize: bool) -> None:
+        """Adds the figures of the step that ran last to the totals (stats reset on the
+        engine's next __enter__). Its backward has run: the next forward or log comes after."""
+        if synchronize:
+            self.engine.synchronize()
+        self._latest = self.engine.stats()
+        _accumulate(self._totals, self._latest)
+        self._step_open = False
+
+    def stats(self) -> Dict[str, float]:
+        """Engine figures of the latest training micro-step (its forward and, once run, its
+        backward), with micro_steps: the training forwards run since enable."""
+        if self._step_open:
+            self.engine.synchronize()  # settles in-flight copies and their wait figures
+        live = self.engine.stats()
+        if self._step_open:
+            figures = live
+        else:
+            figures = dict(self._latest)
+            figures.update((key, live[key]) for key in STANDING_FIGURES if key in live)
+        figures["micro_steps"] = self._micro_steps
+        return figures
+
+    def totals(self) -> Dict[str, float]:
+        """Per-step counters summed over every micro-step since enable, peaks as their
+        maximum, host-pool figures as they are now, and micro_steps."""
+        totals = {key: 0 for key in STAT_KEYS if key not in STANDING_FIGURES}
+        totals.update(self._totals)
+        current = self.stats()
+        if self._step_open:
+            _accumulate(totals, current)
+        for key in STANDING_FIGURES:
+            totals[key] = current.get(key, 0)
+        return totals
+
+
+def _accumulate(totals: Dict[str, float], step: Dict[str, float]) -> None:
+    for key, value in step.items():
+        if key in STEP_PEAKS:
+            totals[key] = max(totals.get(key, 0), value)
+        elif key not in STANDING_FIGURES:
+            totals[key] = totals.get(key, 0) + value
+
+
+class _OffloadingCheckpoint:
+    """Stands in for a module's `_gradient_checkpointing_func`: non-reentrant
+    torch.utils.checkpoint whose positional tensor inputs are tagged as one offload group."""
+
+    def __init__(self, handle: OffloadHandle, options: Dict[str, Any]):
+        self.handle = handle
+        self.options = options
+
+    def __call__(self, function: Callable, *args, **kwargs):
+        function, args = _hidden_states_as_positional(function, args)
+        tensors = [a for a in args
+                   if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter)]
+        if not tensors:
+            self._warn_untaggable(function)
+        kwargs.pop("use_reentrant", None)
+        options = {**self.options, **kwargs, "use_reentrant": False}
+        with ckpt_offload.mark_checkpoint_inputs(*tensors):
+            return torch.utils.checkpoint.checkpoint(function, *args, **options)
+
+    def _warn_untaggable(self, function: Callable) -> None:
+        owner = getattr(getattr(function, "func", function), "__self__", None)
+        name = type(owner).__name__ if owner is not None else getattr(function, "__name__", "?")
+        if name in self.handle._warned_layers:
+            return
+        self.handle._warned_layers.add(name)
+        warnings.warn(
+            f"ckpt_offload.hf: {name} passed no tensor positionally to its checkpoint call and "
+            "no `hidden_states=` keyword, so its inputs stay on the device (pass the hidden "
+            "states positionally to have them offloaded)", UserWarning, stacklevel=3)
+
+
+def _hidden_states_as_positional(function: Callable, args: tuple):
+    """GradientCheckpointingLayer checkpoints `partial(super().__call__, **kwargs)`, so a
+    `hidden_states=` keyword would reach checkpoint inside the closure, where saved-tensor
+    hooks never see it. Pass it as the first positional argument instead and put it back
+    in place as a keyword inside the checkpointed call."""
+    if not isinstance(function, functools.partial):
+        return function, args
+    hidden_states = function.keywords.get("hidden_states")
+    if not isinstance(hidden_states, torch.Tensor):
+        return function, args
+    inner, inner_args = function.func, function.args
+    keywords = {k: v for k, v in function.keywords.items() if k != "hidden_states"}
+
+    def call_with_hidden_states(hidden_states, *rest):
+        return inner(*inner_args, *rest, hidden_states=hidden_states, **keywords)
+
+    return call_with_hidden_states, (hidden_states, *args)
+
+
+def _checkpoint_options(original: Any):
+    """The torch.utils.checkpoint options that `original` (a module's checkpoint function)
+    applies, and notes on what the non-reentrant replacement changes about it."""
+    notes = []
+    if isinstance(original, functools.partial):
+        inner, options = original.func, dict(original.keywords)
+    else:
+        inner, options = original, {}
+    reentrant = options.pop("use_reentrant", None)
+    if inner is torch.utils.checkpoint.checkpoint or _is_hf_offload(inner):
+        if reentrant is None or reentrant:
+            notes.append(
+                "gradient checkpointing was reentrant (use_reentrant=True, torch's default "
+                "when unset); changed to use_reentrant=False, because reentrant "
+                "checkpointing saves no inputs that could be offloaded")
+    if _is_hf_offload(inner):
+        notes.append("transformers' gradient_checkpointing_kwargs offload=True (torch "
+                     "save_on_cpu) is replaced by ckpt_offload")
+    elif inner is not torch.utils.checkpoint.checkpoint:
+        name = getattr(inner, "__qualname__", type(inner).__name__)
+        notes.append(f"checkpoint function {name} is replaced by non-reentrant "
+                     "torch.utils.checkpoint.checkpoint")
+    dropped = sorted(k for k in options if k not in _TORCH_CHECKPOINT_OPTIONS)
+    if dropped:
+        notes.append(f"checkpoint options {dropped} are not torch.utils.checkpoint's; dropped")
+    return {k: v for k, v in options.items() if k in _TORCH_CHECKPOINT_OPTIONS}, notes
+
+
+def _is_hf_offload(function: Any) -> bool:
+    return getattr(function, "__qualname__", "").endswith(_HF_OFFLOAD_CHECKPOINT)

@@ -1,0 +1,102 @@
+"""OffloadArguments through HfArgumentParser: command line, YAML, and errors naming the
+argument."""
+
+import pytest
+from transformers import HfArgumentParser, TrainingArguments
+
+from ckpt_offload import OffloadConfig
+from ckpt_offload.hf import ActivationOffloadCallback, OffloadArguments
+
+
+def parser():
+    return HfArgumentParser((TrainingArguments, OffloadArguments))
+
+
+def test_command_line(tmp_path):
+    training, offload = parser().parse_args_into_dataclasses(args=[
+        "--output_dir", str(tmp_path), "--use_cpu", "--activation_offloading",
+        "--offload_keep_last", "2", "--offload_prefetch_depth", "0",
+        "--offload_host_memory_limit", "24GiB", "--offload_min_bytes", "0",
+        "--offload_backend", "host",
+    ])
+    assert training.output_dir == str(tmp_path)
+    assert offload.activation_offloading is True
+    assert offload.to_config() == OffloadConfig(
+        keep_last=2, prefetch_depth=0, host_memory_limit="24GiB", min_offload_bytes=0,
+        backend="host")
+    callback = ActivationOffloadCallback.from_args(offload)
+    assert isinstance(callback, ActivationOffloadCallback)
+    assert callback.config == offload.to_config()
+
+
+@pytest.mark.parametrize("text, value", [
+    ("24GiB", "24GiB"), ("512MB", "512MB"), ("0.5", 0.5), ("25769803776", 25769803776)])
+def test_host_memory_limit_forms(tmp_path, text, value):
+    (_, offload) = parser().parse_args_into_dataclasses(args=[
+        "--output_dir", str(tmp_path), "--offload_host_memory_limit", text])
+    assert offload.offload_host_memory_limit == value
+    assert offload.to_config().host_memory_limit == value
+
+
+def test_defaults_mean_off(tmp_path):
+    (_, offload) = parser().parse_args_into_dataclasses(args=["--output_dir", str(tmp_path)])
+    assert offload.activation_offloading is False
+    assert offload.to_config() == OffloadConfig()
+    assert ActivationOffloadCallback.from_args(offload) is None
+
+
+def test_yaml_file(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(f"""\
+output_dir: {tmp_path / "out"}
+use_cpu: true
+gradient_checkpointing: true
+activation_offloading: true
+offload_keep_last: 1
+offload_prefetch_depth: 2
+offload_host_memory_limit: 0.25
+offload_backend: host
+""")
+    training, offload = parser().parse_yaml_file(str(config))
+    assert training.gradient_checkpointing is True
+    assert offload.to_config() == OffloadConfig(
+        keep_last=1, prefetch_depth=2, host_memory_limit=0.25, backend="host")
+    assert ActivationOffloadCallback.from_args(offload).config.host_memory_limit == 0.25
+
+
+def test_yaml_size_string_and_bytes(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(f"output_dir: {tmp_path}\nactivation_offloading: true\n"
+                      "offload_host_memory_limit: 24GiB\n")
+    (_, offload) = parser().parse_yaml_file(str(config))
+    assert offload.to_config().host_memory_limit_bytes() == 24 << 30
+    config.write_text(f"output_dir: {tmp_path}\noffload_host_memory_limit: 1073741824\n")
+    (_, offload) = parser().parse_yaml_file(str(config))
+    assert offload.to_config().host_memory_limit_bytes() == 1 << 30
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["--offload_keep_last", "-1"], "offload_keep_last"),
+    (["--offload_prefetch_depth", "-2"], "offload_prefetch_depth"),
+    (["--offload_host_memory_limit", "lots"], "offload_host_memory_limit"),
+    (["--offload_host_memory_limit", "1.5"], "offload_host_memory_limit"),
+    (["--offload_min_bytes", "-1"], "offload_min_bytes"),
+    (["--offload_max_inflight_d2h_groups", "0"], "offload_max_inflight_d2h_groups"),
+])
+def test_bad_values_name_the_argument(tmp_path, argv, name):
+    with pytest.raises(ValueError, match=f"^{name}:"):
+        parser().parse_args_into_dataclasses(args=["--output_dir", str(tmp_path)] + argv)
+
+
+def test_bad_choice_is_refused_by_the_parser(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        parser().parse_args_into_dataclasses(
+            args=["--output_dir", str(tmp_path), "--offload_backend", "tpu"])
+    assert "offload_backend" in capsys.readouterr().err
+
+
+def test_bad_yaml_value_names_the_argument(tmp_path):
+    config = tmp_path / "train.yaml"
+    config.write_text(f"output_dir: {tmp_path}\noffload_backend: tpu\n")
+    with pytest.raises(ValueError, match="^offload_backend:"):
+        parser().parse_yaml_file(str(config))

@@ -1,0 +1,228 @@
+"""ckpt_offload.axolotl.ActivationOffloadPlugin with the real axolotl (0.21.0, CPU, offline).
+
+Runs in the Axolotl test venv (scripts/setup_axolotl.sh) through axolotl_venv_pytest.sh:
+plugin loading through axolotl's PluginManager, the config keys it adds to axolotl's schema
+and their validation, how each activation_offloading mode is handled, and `axolotl train`
+end to end on a tiny local model and dataset.
+"""
+
+import ast
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from axolotl.integrations.base import PluginManager
+from axolotl.utils.config import prepare_plugins, validate_config
+from axolotl.utils.dict import DictDefault
+
+from ckpt_offload import OffloadConfig
+from ckpt_offload.axolotl import ActivationOffloadArgs, ActivationOffloadPlugin
+
+PLUGIN = "ckpt_offload.axolotl.ActivationOffloadPlugin"
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    """A tiny random Llama with a character-level tokenizer, and a jsonl dataset."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    root = tmp_path_factory.mktemp("assets")
+    model_dir = root / "tiny-llama"
+    words = ["<unk>", "<s>", "</s>", "<pad>"] + [chr(c) for c in range(32, 127)]
+    tokenizer = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)},
+                                           unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>", pad_token="<pad>").save_pretrained(model_dir)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        bos_token_id=1, eos_token_id=2, pad_token_id=3)).save_pretrained(model_dir)
+    data = root / "data.jsonl"
+    data.write_text("".join(
+        json.dumps({"text": f"sample {i}: the quick brown fox jumps over the lazy dog {7 * i}"})
+        + "\n" for i in range(32)))
+    return model_dir, data
+
+
+def axolotl_config(assets, out_dir, **extra):
+    model_dir, data = assets
+    config = {
+        "base_model": str(model_dir),
+        "tokenizer_type": "PreTrainedTokenizerFast",
+        "plugins": [PLUGIN],
+        "datasets": [{"path": str(data), "ds_type": "json", "type": "completion"}],
+        "sequence_len": 64,
+        "micro_batch_size": 2,
+        "gradient_accumulation_steps": 1,
+        "max_steps": 4,
+        "learning_rate": 0.001,
+        "optimizer": "adamw_torch",
+        "lr_scheduler": "constant",
+        "output_dir": str(out_dir),
+        "dataset_prepared_path": str(out_dir / "prepared"),
+        "val_set_size": 0,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "gradient_checkpointing": True,
+        "seed": 0,
+        "bf16": False,
+        "fp16": False,
+        "tf32": False,
+        "dataloader_num_workers": 0,
+    }
+    config.update(extra)
+    return config
+
+
+# Plugin loading, schema and validation.
+
+
+def test_plugin_loads_through_plugin_manager():
+    manager = PluginManager.get_instance()
+    manager.register(PLUGIN, required=True)
+    assert isinstance(manager.plugins[PLUGIN], ActivationOffloadPlugin)
+    assert "ckpt_offload.axolotl.args.ActivationOffloadArgs" in manager.get_input_args()
+
+
+def validated(assets, tmp_path, **extra):
+    cfg = DictDefault(axolotl_config(assets, tmp_path, **extra))
+    prepare_plugins(cfg)
+    return validate_config(cfg)
+
+
+def test_schema_accepts_the_plugin_keys(assets, tmp_path):
+    cfg = validated(assets, tmp_path, activation_offloading=True, ckpt_offload_keep_last=2,
+                    ckpt_offload_prefetch_depth=0, ckpt_offload_host_memory_limit="24GiB",
+                    ckpt_offload_backend="host", ckpt_offload_min_offload_bytes=0)
+    assert cfg.ckpt_offload_keep_last == 2
+    assert cfg.ckpt_offload_host_memory_limit == "24GiB"
+    cfg = validated(assets, tmp_path, activation_offloading=True,
+                    ckpt_offload_host_memory_limit=0.5)
+    assert cfg.ckpt_offload_host_memory_limit == 0.5
+
+
+@pytest.mark.parametrize("key, value", [
+    ("ckpt_offload_keep_last", -1),
+    ("ckpt_offload_keep_last", "two"),
+    ("ckpt_offload_keep_last", True),
+    ("ckpt_offload_prefetch_depth", -3),
+    ("ckpt_offload_host_memory_limit", "24 parsecs"),
+    ("ckpt_offload_host_memory_limit", 1.5),
+    ("ckpt_offload_min_offload_bytes", -1),
+    ("ckpt_offload_backend", "tpu"),
+])
+def test_schema_rejects_bad_values_naming_the_key(assets, tmp_path, key, value):
+    with pytest.raises(ValueError, match=key):
+        validated(assets, tmp_path, activation_offloading=True, **{key: value})
+
+
+def test_args_model_on_its_own():
+    args = ActivationOffloadArgs(ckpt_offload_keep_last=0, ckpt_offload_host_memory_limit=1 << 30)
+    assert args.ckpt_offload_keep_last == 0
+    with pytest.raises(ValueError, match="ckpt_offload_prefetch_depth"):
+        ActivationOffloadArgs(ckpt_offload_prefetch_depth=-1)
+
+
+# What each activation_offloading mode does.
+
+
+def test_true_is_taken_over_with_the_configured_settings(assets, tmp_path, caplog):
+    cfg = validated(assets, tmp_path, activation_offloading=True, ckpt_offload_keep_last=2,
+                    ckpt_offload_host_memory_limit="1GiB")
+    plugin = ActivationOffloadPlugin()
+    with caplog.at_level(logging.INFO, logger="axolotl.integrations.ckpt_offload"):
+        plugin.pre_model_load(cfg)
+    assert cfg.activation_offloading is False  # Axolotl's own offloading stays off
+    assert plugin.offload_config == OffloadConfig(keep_last=2, host_memory_limit="1GiB")
+    assert "done by ckpt_offload" in caplog.text
+
+
+@pytest.mark.parametrize("mode", ["legacy", "disk", "hidden_states"])
+def test_axolotl_modes_are_left_alone(assets, tmp_path, caplog, mode):
+    cfg = validated(assets, tmp_path, activation_offloading=mode)
+    plugin = ActivationOffloadPlugin()
+    with caplog.at_level(logging.INFO, logger="axolotl.integrations.ckpt_offload"):
+        plugin.pre_model_load(cfg)
+    assert cfg.activation_offloading == mode
+    assert plugin.offload_config is None
+    assert "left to Axolotl" in caplog.text
+
+    class Trainer:  # post_trainer_create must not touch a trainer it does not own
+        pass
+
+    plugin.post_trainer_create(cfg, Trainer())
+    assert plugin.callback is None
+
+
+@pytest.mark.parametrize("mode", [False, None])
+def test_off_does_nothing(assets, tmp_path, mode):
+    extra = {} if mode is None else {"activation_offloading": mode}
+    cfg = validated(assets, tmp_path, **extra)
+    before = dict(cfg)
+    plugin = ActivationOffloadPlugin()
+    plugin.pre_model_load(cfg)
+    assert dict(cfg) == before
+    assert plugin.offload_config is None
+
+
+# `axolotl train` end to end.
+
+
+def axolotl_train(assets, tmp_path, name, **extra):
+    """Runs `axolotl train config.yml` (its default accelerate launcher); returns the printed
+    step logs and the trained weights."""
+    run_dir = tmp_path / name
+    run_dir.mkdir()
+    config = run_dir / "config.yml"
+    config.write_text(yaml.safe_dump(axolotl_config(assets, run_dir / "out", **extra)))
+    caches = run_dir / "caches"
+    env = dict(os.environ,
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               HF_HOME=str(caches / "hf"), XDG_CACHE_HOME=str(caches),
+               TRITON_CACHE_DIR=str(caches / "triton"), WANDB_MODE="disabled",
+               WANDB_DIR=str(caches), AXOLOTL_DO_NOT_TRACK="1", DO_NOT_TRACK="1",
+               HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+    result = subprocess.run(["axolotl", "train", str(config)], cwd=run_dir, env=env,
+                            capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    (run_dir / "output.log").write_text(output)
+    assert result.returncode == 0, output[-6000:]
+    logs = [ast.literal_eval(match) for match in re.findall(r"\{'loss': .*?\}", output)]
+    weights = load_file(str(run_dir / "out" / "model.safetensors"))
+    return logs, weights, output
+
+
+def test_axolotl_train_end_to_end_matches_plain_checkpointing(assets, tmp_path):
+    plain_logs, plain_weights, _ = axolotl_train(assets, tmp_path, "plain")
+    logs, weights, output = axolotl_train(
+        assets, tmp_path, "offload", activation_offloading=True, ckpt_offload_keep_last=1,
+        ckpt_offload_backend="host", ckpt_offload_min_offload_bytes=0)
+
+    assert "done by ckpt_offload" in output
+    assert "ActivationOffloadCallback registered" in output
+    assert len(logs) == len(plain_logs) == 4
+    assert [log["loss"] for log in logs] == [log["loss"] for log in plain_logs]
+    for log in logs:
+        # 4 layers, the last one kept resident (values as Trainer's progress bar prints them).
+        assert float(log["offload/offloaded_tensors"]) == LAYERS - 1
+        assert float(log["offload/kept_resident_tensors"]) == 1
+        assert float(log["offload/offloaded_gib"]) > 0
+    assert all("offload/offloaded_tensors" not in log for log in plain_logs)
+    assert weights.keys() == plain_weights.keys()
+    for name in weights:
+        assert torch.equal(weights[name], plain_weights[name]), name

@@ -1,0 +1,343 @@
+"""enable_activation_offload on models in custom loops: bit-exact gradients, what gets tagged,
+wrappers (DDP, accelerate), and misuse that must leave the model untouched."""
+
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+import ckpt_offload
+from ckpt_offload.hf import enable_activation_offload
+from tiny import HOST, VOCAB, checkpoint_funcs, tiny_llama
+
+LAYERS = 4
+
+
+def batch(seed=5, size=2, seq=24):
+    ids = torch.randint(3, VOCAB, (size, seq), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def train_steps(model, steps=3, call=None):
+    """A few AdamW steps; returns (losses, final parameters)."""
+    call = call or model
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    losses = []
+    for step in range(steps):
+        loss = call(**batch(seed=step)).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def checkpointed_llama(**kwargs):
+    model = tiny_llama(**kwargs)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return model
+
+
+def assert_same(reference, got):
+    ref_losses, ref_params = reference
+    losses, params = got
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    assert ref_params.keys() == params.keys()
+    for name in ref_params:
+        assert torch.equal(ref_params[name], params[name]), name
+
+
+def model_state(model):
+    """What an installation may touch: forward and each module's checkpointing attributes."""
+    return (model.__dict__.get("forward"), checkpoint_funcs(model),
+            {n: m.__dict__.get("gradient_checkpointing") for n, m in model.named_modules()})
+
+
+def test_custom_loop_bit_identical_and_disable_restores():
+    reference = train_steps(checkpointed_llama())
+    model = checkpointed_llama()
+    before = model_state(model)
+    handle = enable_activation_offload(model, keep_last=1, **HOST)
+    got = train_steps(model)
+    assert_same(reference, got)
+    stats = handle.stats()
+    assert stats["offloaded_tensors"] == LAYERS - 1
+    assert stats["restored_tensors"] == LAYERS - 1
+    assert stats["kept_resident_tensors"] == 1
+    assert stats["micro_steps"] == 3
+    totals = handle.totals()
+    assert totals["offloaded_tensors"] == 3 * (LAYERS - 1)
+    assert totals["host_live_bytes"] == 0
+    handle.disable()
+    handle.disable()  # idempotent
+    assert model_state(model) == before
+    after = checkpoint_funcs(model)
+    assert all(after[name] is func for name, func in before[1].items())
+
+
+@pytest.mark.parametrize("keep_last", [0, 2])
+def test_keep_last_decides_how_many_layers_stay(keep_last):
+    model = checkpointed_llama()
+    with enable_activation_offload(model, keep_last=keep_last, **HOST) as handle:
+        model(**batch()).loss.backward()
+        assert handle.stats()["offloaded_tensors"] == LAYERS - keep_last
+        assert handle.stats()["kept_resident_tensors"] == keep_last
+    assert "forward" not in model.__dict__
+
+
+def test_no_grad_and_eval_forwards_are_not_engine_steps():
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, **HOST)
+    with torch.no_grad():
+        model(**batch())
+    model.eval()
+    with torch.inference_mode():
+        model(**batch())
+    assert handle.totals()["micro_steps"] == 0
+    assert handle.totals()["offloaded_tensors"] == 0
+    handle.disable()
+
+
+def test_a_context_entered_by_the_user_is_used_not_nested():
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, **HOST)
+    with ckpt_offload.offload_activations(keep_last=0, **HOST) as engine:
+        model(**batch()).loss.backward()
+    assert engine.stats()["offloaded_tensors"] == LAYERS
+    assert handle.totals()["micro_steps"] == 0
+    handle.disable()
+
+
+def test_forward_that_raises_leaves_the_handle_usable():
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, **HOST)
+    with pytest.raises(ValueError):
+        model(input_ids=batch()["input_ids"], labels=torch.zeros(3, dtype=torch.long))
+    assert ckpt_offload.current_engine() is None
+    model(**batch()).loss.backward()
+    assert handle.stats()["offloaded_tensors"] == LAYERS - 1
+    handle.disable()
+
+
+def test_checkpointing_off_is_turned_on_and_back_off():
+    reference = train_steps(checkpointed_llama())
+    model = tiny_llama()
+    model.train()
+    before = model_state(model)
+    handle = enable_activation_offload(model, **HOST)
+    assert model.is_gradient_checkpointing
+    assert_same(reference, train_steps(model))
+    handle.disable()
+    assert model_state(model) == before
+    assert not model.is_gradient_checkpointing
+    assert "_require_grads_hooks" not in model.__dict__
+    assert not model.get_input_embeddings()._forward_hooks
+
+
+def test_transformers_own_offload_is_replaced_with_a_warning():
+    reference = train_steps(checkpointed_llama())
+    model = tiny_llama()
+    model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False}, offload=True)
+    model.train()
+    with pytest.warns(UserWarning, match="save_on_cpu"):
+        handle = enable_activation_offload(model, **HOST)
+    assert_same(reference, train_steps(model))
+    assert handle.stats()["offloaded_tensors"] == LAYERS - 1
+    handle.disable()
+
+
+# A model of GradientCheckpointingLayers outside transformers' model classes, called with
+# the hidden states as a keyword argument.
+
+
+class KeywordLayer(GradientCheckpointingLayer):
+    def __init__(self, hidden):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.up = nn.Linear(hidden, 2 * hidden)
+        self.down = nn.Linear(2 * hidden, hidden)
+
+    def forward(self, hidden_states, scale=1.0):
+        return hidden_states + scale * self.down(F.gelu(self.up(self.norm(hidden_states))))
+
+
+class OddlyNamedLayer(GradientCheckpointingLayer):
+    def __init__(self, hidden):
+        super().__init__()
+        self.linear = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(x))
+
+
+class Stack(nn.Module):
+    def __init__(self, layer_cls, call, layers=LAYERS, hidden=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(8, hidden)
+        self.layers = nn.ModuleList(layer_cls(hidden) for _ in range(layers))
+        self.call = call
+
+    def forward(self, x):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = self.call(layer, h)
+        return h.pow(2).mean()
+
+
+def stack_grads(model):
+    model.zero_grad(set_to_none=True)
+    model(torch.randn(2, 16, 8, generator=torch.Generator().manual_seed(3))).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def checkpoint_layers(model):
+    for layer in model.layers:
+        layer.gradient_checkpointing = True
+        layer._gradient_checkpointing_func = functools.partial(
+            torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    return model
+
+
+def keyword_call(layer, h):
+    return layer(hidden_states=h, scale=0.5)
+
+
+def test_hidden_states_keyword_is_moved_to_a_position_and_offloaded():
+    reference = stack_grads(checkpoint_layers(Stack(KeywordLayer, keyword_call)))
+    model = checkpoint_layers(Stack(KeywordLayer, keyword_call))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        handle = enable_activation_offload(model, keep_last=1, **HOST)
+        got = stack_grads(model)
+    assert all(torch.equal(reference[n], got[n]) for n in reference)
+    assert handle.stats()["offloaded_tensors"] == LAYERS - 1
+    handle.disable()
+
+
+def test_layer_without_positional_or_hidden_states_input_warns_once():
+    def call(layer, h):
+        return layer(x=h)
+
+    reference = stack_grads(checkpoint_layers(Stack(OddlyNamedLayer, call)))
+    model = checkpoint_layers(Stack(OddlyNamedLayer, call))
+    handle = enable_activation_offload(model, **HOST)
+    with pytest.warns(UserWarning, match="OddlyNamedLayer passed no tensor") as record:
+        got = stack_grads(model)
+    assert len([w for w in record if "OddlyNamedLayer" in str(w.message)]) == 1
+    assert all(torch.equal(reference[n], got[n]) for n in reference)
+    assert handle.stats()["offloaded_tensors"] == 0
+    handle.disable()
+
+
+def test_stack_without_transformers_model_gets_checkpointing_turned_on():
+    def call(layer, h):
+        return layer(h)
+
+    reference = stack_grads(checkpoint_layers(Stack(KeywordLayer, call)))
+    model = Stack(KeywordLayer, call)
+    handle = enable_activation_offload(model, **HOST)
+    got = stack_grads(model)
+    assert all(torch.equal(reference[n], got[n]) for n in reference)
+    assert handle.stats()["offloaded_tensors"] == LAYERS - 1
+    handle.disable()
+    assert all("gradient_checkpointing" not in layer.__dict__ for layer in model.layers)
+    assert checkpoint_funcs(model) == {}
+
+
+# Misuse: a clear error and an untouched model.
+
+
+def test_model_without_checkpointing_layers_is_rejected():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="GradientCheckpointingLayer"):
+        enable_activation_offload(model, **HOST)
+    assert "forward" not in model.__dict__
+
+
+@pytest.mark.parametrize("overrides, field", [
+    (dict(keep_last=-1), "keep_last"),
+    (dict(prefetch_depth="2"), "prefetch_depth"),
+    (dict(host_memory_limit="24 parsecs"), "host_memory_limit"),
+    (dict(backend="tpu"), "backend"),
+    (dict(keep_lats=1), "keep_lats"),
+])
+def test_bad_overrides_name_the_field_and_change_nothing(overrides, field):
+    model = checkpointed_llama()
+    before = model_state(model)
+    with pytest.raises(ValueError, match=field):
+        enable_activation_offload(model, **overrides)
+    assert model_state(model) == before
+
+
+def test_installing_twice_is_an_error_until_disabled():
+    model = checkpointed_llama()
+    first = enable_activation_offload(model, **HOST)
+    with pytest.raises(RuntimeError, match="already installed"):
+        enable_activation_offload(model, **HOST)
+    from peft import LoraConfig, get_peft_model
+
+    with pytest.raises(RuntimeError, match="already installed"):
+        enable_activation_offload(get_peft_model(model, LoraConfig(r=4, target_modules="all-linear")))
+    first.disable()
+
+
+def test_reinstall_after_disable():
+    model = checkpointed_llama()
+    enable_activation_offload(model, **HOST).disable()
+    handle = enable_activation_offload(model, keep_last=0, **HOST)
+    model(**batch()).loss.backward()
+    assert handle.stats()["offloaded_tensors"] == LAYERS
+    handle.disable()
+
+
+# Wrappers: layers are found through the wrapper; the wrapper's forward is wrapped.
+
+
+def test_ddp_wrapped_model(tmp_path):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        plain = checkpointed_llama()
+        reference = train_steps(plain, call=DistributedDataParallel(plain))
+        model = checkpointed_llama()
+        ddp = DistributedDataParallel(model)
+        handle = enable_activation_offload(ddp, **HOST)
+        assert_same(reference, train_steps(model, call=ddp))
+        assert handle.totals()["offloaded_tensors"] == 3 * (LAYERS - 1)
+        handle.disable()
+        assert "forward" not in ddp.__dict__
+    finally:
+        dist.destroy_process_group()
+
+
+def test_accelerate_prepared_model_with_autocast_forward():
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    def run(offload):
+        AcceleratorState._reset_state(True)  # state is per process; Trainer tests make one
+        accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+        model = accelerator.prepare(checkpointed_llama())
+        patched_forward = model.__dict__.get("forward")
+        assert patched_forward is not None  # accelerate's autocast wrapper, an instance attr
+        handle = enable_activation_offload(model, **HOST) if offload else None
+        result = train_steps(model)
+        if handle is not None:
+            assert handle.totals()["offloaded_tensors"] == 3 * (LAYERS - 1)
+            handle.disable()
+            assert model.__dict__.get("forward") is patched_forward
+        AcceleratorState._reset_state(True)
+        return result
+
+    assert_same(run(offload=False), run(offload=True))
