@@ -57,7 +57,7 @@ def extension():
         define_macros=[("CKPT_OFFLOAD_WITH_CUDA", None)] if with_cuda else [],
         extra_compile_args={"cxx": ["-O2", "-std=c++17"]},
     )
-    kwargs["libraries"] = absl_libs
+    kwargs["libraries"] = absl_libs + ["numa"]  # mbind / set_mempolicy (offload_core/numa.cc)
     prefix = os.environ.get("CKPT_OFFLOAD_ABSL_PREFIX")
     if prefix:
         # A copy of Debian's abseil brought to a machine without it (scripts/gpu_deps.sh).

@@ -11,6 +11,7 @@ CORE_SRCS = [
     "sim_device.cc",
     "fault_injection.cc",
     "engine.cc",
+    "numa.cc",
 ]
 
 # //offload_core, compiled when a CUDA toolkit is present (Bazel) or torch has CUDA (pip).

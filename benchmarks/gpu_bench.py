@@ -173,8 +173,9 @@ def run_mode(model, shape, seqs: List[int], mode: Mode, warmup: int,
                 pinned_before_timed = mode.stats().get("pinned_allocations")
             ms, loss = train_step(model, ids, mode)
             if recording:
-                torch.cuda.memory._dump_snapshot(memory_history)
+                snapshot = torch.cuda.memory._snapshot()
                 torch.cuda.memory._record_memory_history(enabled=None)
+                write_memory_timeline(snapshot, before, memory_history)
             peak = torch.cuda.max_memory_allocated() - before
             if index >= warmup:
                 times.append(ms)
@@ -204,6 +205,35 @@ def run_mode(model, shape, seqs: List[int], mode: Mode, warmup: int,
         return result
     finally:
         mode.teardown(model)
+
+
+def write_memory_timeline(snapshot, baseline_bytes: int, path: str, points: int = 4000) -> None:
+    """Allocated bytes over one step (from the allocator's trace) as JSON [[ms, GiB], ...],
+    relative to what was allocated before the step."""
+    events = []
+    for trace in snapshot.get("device_traces", []):
+        for entry in trace:
+            action = entry.get("action")
+            if action == "alloc":
+                events.append((entry["time_us"], entry["size"]))
+            elif action == "free_completed":
+                events.append((entry["time_us"], -entry["size"]))
+    events.sort()
+    if not events:
+        return
+    start = events[0][0]
+    level, series = 0, []
+    for time_us, delta in events:
+        level += delta
+        series.append(((time_us - start) / 1e3, level / GIB))
+    stride = max(1, len(series) // points)
+    sampled = series[::stride]
+    peak = max(series, key=lambda p: p[1])
+    if peak not in sampled:
+        sampled.append(peak)
+        sampled.sort()
+    with open(path, "w") as f:
+        json.dump(dict(baseline_gib=baseline_bytes / GIB, points=sampled), f)
 
 
 def meta() -> Dict:
@@ -284,7 +314,7 @@ def main(argv=None):
         for mode in modes:
             history = None
             if label == args.memory_plot_config and mode.name in ("ckpt", "ckpt_offload"):
-                history = os.path.join(args.out, f"{args.tag}_memory_{mode.name}.pickle")
+                history = os.path.join(args.out, f"{args.tag}_memory_{mode.name}.json")
             print(f"== {label} {mode.name}", flush=True)
             try:
                 result = run_mode(model, shape, seqs, mode, warmup, history)

@@ -16,13 +16,17 @@
 //   then pinned for every CUDA context in the process, so a block stays usable, at full
 //   speed, even if the process later works with another device. It costs nothing extra.
 //   Write-combined memory is avoided: it makes host reads of offloaded data very slow.
-#include <sys/mman.h>
+// - NUMA: pinned slabs are placed on the node of the GPU's PCI slot (numa.h chooses it;
+//   CudaDeviceOptions::numa_node overrides). kHostRegister slabs are mbind()-ed before their
+//   pages are faulted in; cudaHostAlloc gets the allocating thread's policy set around the
+//   call. The first refused placement ends placement for the device and the backends it
+//   made (the kernel would refuse the next one alike); numa_placement() keeps the reason.
 #include <unistd.h>
 
-#include <cerrno>
 #include <cstdint>
-#include <cstring>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -32,6 +36,7 @@
 #include "absl/strings/str_cat.h"
 #include "offload_core/device.h"
 #include "offload_core/fault_injection.h"
+#include "offload_core/numa.h"
 
 namespace ckpt_offload {
 namespace {
@@ -109,11 +114,59 @@ size_t RoundUpToPage(size_t bytes) {
   return (bytes + page - 1) / page * page;
 }
 
+// The NUMA node a device's pinned slabs go to, shared by the device and every host
+// backend it made: the choice made at creation, until a placement fails. Thread-safe.
+class NumaPlacementState {
+ public:
+  explicit NumaPlacementState(numa::NumaChoice choice)
+      : node_(choice.node), description_(std::move(choice.reason)) {}
+
+  // The node to place the next slab on; unset when there is none (or no longer one).
+  std::optional<int> node() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return node_;
+  }
+
+  // Ends placement after a refusal of it (`why`: the failed call and the system's text).
+  void RecordFailure(const std::string& why) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!node_.has_value()) return;
+    description_ = absl::StrCat("no NUMA placement: ", why, " (wanted ", description_, ")");
+    node_.reset();
+  }
+
+  std::string description() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return description_;
+  }
+
+ private:
+  mutable std::mutex mu_;
+  std::optional<int> node_;
+  std::string description_;
+};
+
+// The node for `options.numa_node` on CUDA device `device`; see CudaDeviceOptions.
+numa::NumaChoice ChooseNumaNode(int numa_node, int device) {
+  if (numa_node == kNumaNodeNone) {
+    return {std::nullopt, "no NUMA placement: disabled (numa_node = -1)"};
+  }
+  if (numa_node >= 0) return {numa_node, absl::StrCat("node ", numa_node, " (requested)")};
+  char bus_id[64] = {};
+  const cudaError_t error = cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device);
+  if (error != cudaSuccess) {
+    return {std::nullopt, absl::StrCat("no NUMA placement: ",
+                                       CudaStatus(error, "cudaDeviceGetPCIBusId").message())};
+  }
+  return numa::ChooseNumaNode(bus_id);
+}
+
 // Pinned host memory for the arena. Not thread-safe (the arena serializes calls).
 class PinnedHostBackend : public HostMemoryBackend {
  public:
-  PinnedHostBackend(CudaDeviceOptions::PinMode mode, int device)
-      : mode_(mode), device_(device) {}
+  PinnedHostBackend(CudaDeviceOptions::PinMode mode, int device,
+                    std::shared_ptr<NumaPlacementState> numa)
+      : mode_(mode), device_(device), numa_(std::move(numa)) {}
 
   absl::StatusOr<void*> Allocate(size_t bytes) override {
     if (faults::ShouldFail(faults::Fault::kHostAllocation)) {
@@ -144,7 +197,7 @@ class PinnedHostBackend : public HostMemoryBackend {
       return;
     }
     (void)Check(cudaHostUnregister(ptr), "cudaHostUnregister");
-    munmap(ptr, RoundUpToPage(bytes));
+    numa::UnmapHostMemory(ptr, RoundUpToPage(bytes));
   }
 
   const char* name() const override {
@@ -153,8 +206,14 @@ class PinnedHostBackend : public HostMemoryBackend {
   }
 
  private:
-  static absl::StatusOr<void*> HostAlloc(size_t bytes) {
+  absl::StatusOr<void*> HostAlloc(size_t bytes) {
     void* ptr = nullptr;
+    // The driver allocates the pages in this thread, under this thread's policy.
+    const std::optional<int> node = numa_->node();
+    numa::ScopedPreferredNode preferred(node);
+    if (node.has_value() && !preferred.placement().placed) {
+      numa_->RecordFailure(preferred.placement().reason);
+    }
     const cudaError_t error = cudaHostAlloc(&ptr, bytes, cudaHostAllocPortable);
     if (error != cudaSuccess) {
       return CudaStatus(error, absl::StrCat("cudaHostAlloc(", bytes, " bytes)"));
@@ -162,21 +221,20 @@ class PinnedHostBackend : public HostMemoryBackend {
     return ptr;
   }
 
-  static absl::StatusOr<void*> MapAndRegister(size_t bytes) {
+  absl::StatusOr<void*> MapAndRegister(size_t bytes) {
     const size_t mapped = RoundUpToPage(bytes);
-    // MAP_POPULATE faults every page in inside this one call, so cudaHostRegister only has
-    // to pin resident pages; the cost is paid here either way, since pinning needs them
-    // resident.
-    void* ptr = mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (ptr == MAP_FAILED) {
-      const int err = errno;
-      return absl::ResourceExhaustedError(
-          absl::StrCat("mmap(", mapped, " bytes) failed: ", std::strerror(err)));
-    }
+    // MapHostMemory returns the pages resident (on the node, when placed), so
+    // cudaHostRegister only has to pin them; the cost is paid there either way, since
+    // pinning needs them resident.
+    const std::optional<int> node = numa_->node();
+    numa::Placement placement;
+    absl::StatusOr<void*> mapping = numa::MapHostMemory(mapped, node, &placement);
+    if (!mapping.ok()) return mapping.status();
+    if (node.has_value() && !placement.placed) numa_->RecordFailure(placement.reason);
+    void* ptr = *mapping;
     const cudaError_t error = cudaHostRegister(ptr, mapped, cudaHostRegisterPortable);
     if (error != cudaSuccess) {
-      munmap(ptr, mapped);
+      numa::UnmapHostMemory(ptr, mapped);
       return CudaStatus(error, absl::StrCat("cudaHostRegister(", mapped, " bytes)"));
     }
     return ptr;
@@ -184,6 +242,7 @@ class PinnedHostBackend : public HostMemoryBackend {
 
   const CudaDeviceOptions::PinMode mode_;
   const int device_;
+  const std::shared_ptr<NumaPlacementState> numa_;
 };
 
 class CudaDevice : public Device {
@@ -191,7 +250,9 @@ class CudaDevice : public Device {
   // Creates the copy streams on `device` (the current device at the call).
   static absl::StatusOr<std::unique_ptr<Device>> Create(CudaDeviceOptions options,
                                                         int device) {
-    std::unique_ptr<CudaDevice> cuda(new CudaDevice(options, device));
+    std::unique_ptr<CudaDevice> cuda(new CudaDevice(
+        options, device,
+        std::make_shared<NumaPlacementState>(ChooseNumaNode(options.numa_node, device))));
     cudaStream_t* streams[] = {&cuda->d2h_, &cuda->h2d_};
     for (cudaStream_t* stream : streams) {
       absl::Status status = Check(cudaStreamCreateWithFlags(stream, cudaStreamNonBlocking),
@@ -291,11 +352,14 @@ class CudaDevice : public Device {
   }
 
   std::unique_ptr<HostMemoryBackend> MakeHostBackend() override {
-    return std::make_unique<PinnedHostBackend>(options_.pin_mode, device_);
+    return std::make_unique<PinnedHostBackend>(options_.pin_mode, device_, numa_);
   }
 
+  std::string numa_placement() const override { return numa_->description(); }
+
  private:
-  CudaDevice(CudaDeviceOptions options, int device) : options_(options), device_(device) {}
+  CudaDevice(CudaDeviceOptions options, int device, std::shared_ptr<NumaPlacementState> numa)
+      : options_(options), device_(device), numa_(std::move(numa)) {}
 
   absl::Status CheckKnown(EventHandle event, const char* what) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -327,6 +391,7 @@ class CudaDevice : public Device {
 
   const CudaDeviceOptions options_;
   const int device_;
+  const std::shared_ptr<NumaPlacementState> numa_;
   cudaStream_t d2h_ = nullptr;
   cudaStream_t h2d_ = nullptr;
 
@@ -339,6 +404,11 @@ class CudaDevice : public Device {
 bool CudaSupportCompiled() { return true; }
 
 absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(CudaDeviceOptions options) {
+  if (options.numa_node < kNumaNodeAuto) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CudaDeviceOptions::numa_node: ", options.numa_node,
+        " is not a node id (>= 0), kNumaNodeNone (-1) or kNumaNodeAuto (-2)"));
+  }
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
   if (error != cudaSuccess) {

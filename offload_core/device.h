@@ -16,6 +16,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -57,18 +58,32 @@ class Device {
   // them when it returns a host block to the arena and when it releases a device source.
   virtual void OnHostBlockFreed(const void* host, size_t bytes) {}
   virtual void OnDeviceSourceReleased(const void* device, size_t bytes) {}
+
+  // How this device's host memory is placed on NUMA nodes, one line for logs (e.g. "node 1
+  // (GPU 0000:3b:00.0; nodes 0,1 online)" or "no NUMA placement: single NUMA node (node
+  // 0)"); empty for devices that do not place host memory. Thread-safe.
+  virtual std::string numa_placement() const { return ""; }
 };
 
 // Host backend device: "device" memory is host memory, copies are memcpy done at once,
 // every event is complete. Lets every engine path run (bit-exactly) on CPU-only machines.
 std::unique_ptr<Device> MakeHostDevice();
 
+// CudaDeviceOptions::numa_node values other than a node id.
+inline constexpr int kNumaNodeAuto = -2;  // the node of the GPU's PCI slot, when there are several
+inline constexpr int kNumaNodeNone = -1;  // no placement: the kernel's default policy
+
 // CUDA runtime device on the current CUDA device; absl::UnavailableError when this build
-// has no CUDA support or no GPU is visible. Defined in cuda_device.cc.
+// has no CUDA support or no GPU is visible, InvalidArgument for a numa_node below -2.
+// Defined in cuda_device.cc.
 struct CudaDeviceOptions {
   // Pinned host memory: cudaHostAlloc, or mmap + cudaHostRegister.
   enum class PinMode { kHostAlloc, kHostRegister };
   PinMode pin_mode = PinMode::kHostAlloc;
+  // NUMA node the pinned slabs are allocated on (MPOL_PREFERRED): kNumaNodeAuto,
+  // kNumaNodeNone or a node id >= 0. Best effort: when the kernel refuses placement the
+  // slabs are allocated unplaced and numa_placement() says why (see numa.h).
+  int numa_node = kNumaNodeAuto;
 };
 absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(CudaDeviceOptions options = {});
 bool CudaSupportCompiled();

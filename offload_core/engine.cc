@@ -310,6 +310,22 @@ struct OffloadEngine::Impl {
     pending.clear();
   }
 
+  // A group whose completion record failed (RecordD2HDone returned an error after its copies
+  // were queued) has copies that no tracked event covers: its d2h_done reports done at once.
+  // A record on the D2H stream now covers them (the stream runs in order). Reclaim's deferred
+  // free and release, and a restore's wait, need an event that really waits for them.
+  absl::Status TrackUntrackedD2H(GroupId gid, Group& group) {
+    bool copying = false;
+    for (EntryId id : group.entries) {
+      copying = copying || entries.at(id).state == EntryState::kOffloading;
+    }
+    if (!copying) return absl::OkStatus();
+    if (std::find(d2h_inflight.begin(), d2h_inflight.end(), gid) != d2h_inflight.end()) {
+      return absl::OkStatus();
+    }
+    return RecordD2HDone(gid, group);
+  }
+
   // Entries of `group` whose D2H has not completed still have their device source: backward
   // needs them now, so they stay on the device (no H2D, no second device buffer) and the
   // host copy is dropped once the D2H finished writing it.
@@ -352,6 +368,7 @@ struct OffloadEngine::Impl {
   absl::Status IssueRestore(GroupId gid, StreamHandle compute, bool prefetch,
                             EntryId only = 0) {
     Group& group = groups.at(gid);
+    CKPT_RETURN_IF_ERROR(TrackUntrackedD2H(gid, group));
     ReclaimHeldSources(group);
     std::vector<EntryId> todo;
     for (EntryId id : group.entries) {
@@ -509,6 +526,7 @@ struct OffloadEngine::Impl {
         continue;
       }
       const EntryId id = deferred_releases[i].first;
+      SubHeld(entries.at(id).bytes);  // held again since Discard (ReleaseSourceOf skips it)
       ReleaseSourceOf(id, entries.at(id));
       EraseEntry(id);
       deferred_releases[i] = std::move(deferred_releases.back());
@@ -764,6 +782,8 @@ bool OffloadEngine::Discard(EntryId id) {
     case EntryState::kResident: {
       auto done = s.Done(group.d2h_done);
       if (entry.reclaimed && !(done.ok() && *done)) {
+        // The caller let go but the copy still reads the source: the engine alone holds it.
+        s.AddHeld(entry.bytes);
         s.deferred_releases.push_back({id, group.d2h_done});
         return true;
       }

@@ -38,4 +38,6 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements/lock.txt"
   echo "$want" > "$stamp"
 fi
+# The Axolotl test venv, over this one (about a minute from cold; see setup_axolotl.sh).
+CKPT_OFFLOAD_VENV="$VENV" bash "$ROOT/scripts/setup_axolotl.sh"
 echo "setup: ready (venv $VENV, $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"

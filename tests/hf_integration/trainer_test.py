@@ -80,7 +80,8 @@ def test_lora_with_tied_embeddings(tmp_path):
     assert model.base_model.model.lm_head.weight is model.base_model.model.model.embed_tokens.weight
     for entry in train_logs(trainer):
         # With frozen embeddings, transformers' enable_input_require_grads makes the first
-        # layer's input a leaf that requires grad, which the engine keeps like a parameter.
+        # layer's input a leaf that requires grad: autograd holds it until backward anyway,
+        # so the engine leaves it where it is, like a parameter.
         assert entry["offload/offloaded_tensors"] == LAYERS - 2
         assert entry["offload/kept_resident_tensors"] == 1
     assert_restored(model, probe)

@@ -79,6 +79,12 @@ class CopyFailingDevice : public Device {
     std::lock_guard<std::mutex> lock(mu_);
     copies_until_failure_ = skip;
   }
+  // The next event record on `stream` fails (fault_injection.h would fail the next record on
+  // any stream, and the compute stream is recorded on before every copy batch).
+  void FailNextRecordOn(StreamHandle stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fail_record_on_ = stream;
+  }
 
   const char* name() const override { return "sim (copy-failing)"; }
   StreamHandle d2h_stream() const override { return sim_->d2h_stream(); }
@@ -86,6 +92,13 @@ class CopyFailingDevice : public Device {
   absl::StatusOr<EventHandle> CreateEvent() override { return sim_->CreateEvent(); }
   void DestroyEvent(EventHandle event) override { sim_->DestroyEvent(event); }
   absl::Status RecordEvent(EventHandle event, StreamHandle stream) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (fail_record_on_ == stream) {
+        fail_record_on_ = kNoStream;
+        return absl::InternalError("copy-failing device: record failed");
+      }
+    }
     return sim_->RecordEvent(event, stream);
   }
   absl::Status StreamWaitEvent(StreamHandle stream, EventHandle event) override {
@@ -128,6 +141,8 @@ class CopyFailingDevice : public Device {
   SimDevice* sim_;
   std::mutex mu_;
   int copies_until_failure_ = -1;  // < 0: never
+  static constexpr StreamHandle kNoStream = ~StreamHandle{0};
+  StreamHandle fail_record_on_ = kNoStream;
 };
 
 // ---------------------------------------------------------------------------------------
@@ -212,6 +227,20 @@ class SimClient : public OffloadEngine::Client {
     std::lock_guard<std::mutex> lock(mu_);
     return dropped_restores_;
   }
+  // Every AllocateRestore that handed out a buffer (a second device buffer for an entry).
+  int64_t allocated_restores() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return allocated_restores_;
+  }
+  // ReleaseSource calls in order, with the host time each came at.
+  struct Release {
+    EntryId entry;
+    double host_time_us;
+  };
+  std::vector<Release> release_log() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return release_log_;
+  }
   std::vector<std::string> errors() const {
     std::lock_guard<std::mutex> lock(mu_);
     return errors_;
@@ -219,7 +248,9 @@ class SimClient : public OffloadEngine::Client {
 
   // --- OffloadEngine::Client ---
   void ReleaseSource(EntryId entry) override {
+    const double now_us = sim_->host_time_us();
     std::lock_guard<std::mutex> lock(mu_);
+    release_log_.push_back({entry, now_us});
     auto it = sources_.find(entry);
     if (it == sources_.end()) {
       released_early_[entry]++;
@@ -241,6 +272,7 @@ class SimClient : public OffloadEngine::Client {
     std::memset(data, kRestoreFill, bytes);
     std::lock_guard<std::mutex> lock(mu_);
     restores_[data] = Restore{entry, bytes};
+    allocated_restores_++;
     return data;
   }
   // The restore allocation after `skip` more successful ones fails.
@@ -294,6 +326,8 @@ class SimClient : public OffloadEngine::Client {
   std::map<EntryId, int> released_early_;
   std::map<void*, Restore> restores_;
   int64_t dropped_restores_ = 0;
+  int64_t allocated_restores_ = 0;
+  std::vector<Release> release_log_;
   int allocations_until_failure_ = -1;  // < 0: never
   std::vector<std::string> errors_;
 };
@@ -358,6 +392,10 @@ class EngineHarness {
   SimClient& client() { return client_; }
   OffloadEngine& engine() { return *engine_; }
   StreamHandle compute() const { return compute_; }
+  // Since the harness was made: Acquires that returned resident (the caller's own source)
+  // in Backward, and restored buffers DrainAndCheck verified.
+  int64_t resident_uses() const { return resident_uses_; }
+  size_t checked_total() const { return checked_total_; }
 
   // Forward of `plan` as step `step`, appending to `saved`, for at most `max_layers`.
   absl::Status Forward(const StepPlan& plan, int step, SavedLayers* saved,
@@ -416,6 +454,7 @@ class EngineHarness {
           EXPECT_FALSE(client_.Released(tensor.entry))
               << "entry " << tensor.entry << " is resident but its source was released";
           reads.push_back({tensor.source, tensor.bytes});
+          resident_uses_++;
         } else {
           EXPECT_NE(acquired->device_data, nullptr);
           EXPECT_TRUE(client_.TakeRestore(tensor.entry, acquired->device_data))
@@ -445,6 +484,7 @@ class EngineHarness {
     EXPECT_TRUE(sim_.SynchronizeAll().ok());
     EXPECT_TRUE(engine_->Synchronize().ok());
     const size_t checked = consumed_.size();
+    checked_total_ += checked;
     for (const Consumed& c : consumed_) {
       const int64_t bad = FirstMismatch(c.data, c.bytes, c.tag);
       EXPECT_EQ(bad, -1) << "restored tag " << c.tag << " differs at byte " << bad;
@@ -484,6 +524,8 @@ class EngineHarness {
   StreamHandle compute_;
   std::unique_ptr<OffloadEngine> engine_;
   std::vector<Consumed> consumed_;
+  int64_t resident_uses_ = 0;
+  size_t checked_total_ = 0;
 };
 
 EngineOptions Options(int keep_last, int prefetch_depth, int max_inflight = 2) {
@@ -498,6 +540,26 @@ EngineOptions Options(int keep_last, int prefetch_depth, int max_inflight = 2) {
 constexpr size_t kTenMicrosecondBytes = 550000;
 
 double CopyUs(size_t bytes, double gbps) { return static_cast<double>(bytes) / (gbps * 1e3); }
+
+// Groups that one harness step reclaims: Forward, then Backward right away (no host
+// synchronization between them), starting on an idle device, with every group of the step
+// offloaded (no cap fallback).
+// - In forward the host blocks only in the in-flight bound: before a group's copies start
+//   while max_inflight groups are copying, it waits for the oldest of them. The groups issued
+//   after that one copy later on the same FIFO D2H stream, each for > 0 us, so none of them
+//   has finished when the host wakes. Forward therefore ends with exactly
+//   min(max_inflight, offloaded groups) groups copying (all of them when there are no more
+//   than max_inflight: then the host never waited, and every copy takes > 0 us).
+// - No engine call of backward blocks the host, so on SimDevice all of backward is issued at
+//   the host time forward ended at. Every offloaded group is touched by backward (acquired,
+//   or earlier by a prefetch window), so those groups are still copying when backward first
+//   asks for them, and are reclaimed, every entry of them.
+// - prefetch_depth == 0: the first Acquire waits for those copies instead; none is reclaimed.
+int64_t ReclaimedGroupsOfOneStep(int64_t offloaded_groups, int prefetch_depth,
+                                 int max_inflight) {
+  if (prefetch_depth == 0) return 0;
+  return std::min<int64_t>(max_inflight, offloaded_groups);
+}
 
 class EngineTest : public ::testing::Test {
  protected:
@@ -525,30 +587,42 @@ TEST_P(EngineScheduleMatrix, ThreeStepsAreHazardFreeIntactAndCounted) {
       UniformPlan(kLayers, kTenMicrosecondBytes, 1, 3, 2),
       UniformPlan(kLayers, kTenMicrosecondBytes, 1, 20, 40),
   };
+  // One entry per layer: groups and entries count alike.
+  const int64_t kept = std::min(param.keep_last, kLayers);
+  const int64_t offloaded = kLayers - kept;
+  // With prefetch the max_inflight (2) groups still copying when forward ends are reclaimed,
+  // in all three regimes (see ReclaimedGroupsOfOneStep).
+  const int64_t reclaimed = ReclaimedGroupsOfOneStep(offloaded, param.prefetch_depth, 2);
+  const int64_t restored = offloaded - reclaimed;
   for (int step = 0; step < 3; ++step) {
     SCOPED_TRACE(absl::StrCat("step ", step));
     harness.engine().ResetStats();
+    const int64_t resident_before = harness.resident_uses();
+    const size_t checked_before = harness.checked_total();
     harness.RunStep(plans[step], step);
     harness.ExpectQuiescent();
     const EngineStats stats = harness.engine().stats();
-    const int64_t kept = std::min(param.keep_last, kLayers);
-    const int64_t offloaded = kLayers - kept;
     EXPECT_EQ(stats.groups, kLayers);
     EXPECT_EQ(stats.kept_resident_tensors, kept);
     EXPECT_EQ(stats.offloaded_tensors, offloaded);
     EXPECT_EQ(stats.offloaded_bytes, offloaded * kTenMicrosecondBytes);
-    EXPECT_EQ(stats.restored_tensors, offloaded);
-    EXPECT_EQ(stats.restored_bytes, offloaded * kTenMicrosecondBytes);
-    // keep_last == 0: the first group backward needs is fetched on demand.
-    const int64_t prefetched =
-        param.prefetch_depth == 0 ? 0 : offloaded - (param.keep_last == 0 ? 1 : 0);
-    EXPECT_EQ(stats.prefetched_tensors, prefetched);
+    EXPECT_EQ(stats.reclaimed_tensors, reclaimed);
+    EXPECT_EQ(stats.restored_tensors, restored);
+    EXPECT_EQ(stats.restored_tensors + stats.reclaimed_tensors, stats.offloaded_tensors);
+    EXPECT_EQ(stats.restored_bytes, restored * kTenMicrosecondBytes);
+    // With prefetch every restore is a prefetch, keep_last == 0 included: the first group
+    // backward needs (the last one) is still copying, so it is reclaimed, not fetched.
+    EXPECT_EQ(stats.prefetched_tensors, param.prefetch_depth == 0 ? 0 : restored);
     EXPECT_EQ(stats.cap_fallbacks, 0);
+    // Backward used the caller's source for kept and reclaimed entries, a restored buffer
+    // (checked byte for byte) for every other one.
+    EXPECT_EQ(harness.resident_uses() - resident_before, kept + reclaimed);
+    EXPECT_EQ(harness.checked_total() - checked_before, static_cast<size_t>(restored));
   }
-  EXPECT_EQ(harness.sim().bytes_copied_to_host(),
-            3 * (kLayers - param.keep_last) * kTenMicrosecondBytes);
-  EXPECT_EQ(harness.sim().bytes_copied_to_device(),
-            3 * (kLayers - param.keep_last) * kTenMicrosecondBytes);
+  // Reclaim skips the H2D copy only: every D2H copy still ran.
+  EXPECT_EQ(harness.sim().bytes_copied_to_host(), 3 * offloaded * kTenMicrosecondBytes);
+  EXPECT_EQ(harness.sim().bytes_copied_to_device(), 3 * restored * kTenMicrosecondBytes);
+  EXPECT_EQ(harness.client().allocated_restores(), 3 * restored);
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -564,35 +638,71 @@ INSTANTIATE_TEST_SUITE_P(
 // ---------------------------------------------------------------------------------------
 // Exposed wait.
 //
-// Timing model of the runs below (L layers, N = keep_last, P = prefetch_depth, one entry
-// of B bytes per layer, C = B / h2d bandwidth, forward compute F >= C, backward Bk):
-// - Forward hides every D2H copy (each starts after its layer's compute and takes C <= F),
-//   so backward starts at T0 = L * F with the copy engines idle.
-// - P == 0: each restore starts only when backward reaches its layer: every offloaded
-//   layer waits C. Exposed = (L - N) * C.
-// - P >= 1 and copy-bound (Bk < C, and C >= N * Bk so the first prefetch, issued when
-//   backward starts, is still late): the H2D engine runs the (L - N) copies back to back
-//   from T0; the last backward starts when the last copy ends. Exposed = total backward
-//   time - L * Bk = (L - N) * C - (L - 1) * Bk.
-// - P >= 1 and Bk >= C: every copy overlaps the previous layer's backward. Exposed = 0,
-//   except with N == 0 where the first layer of backward has nothing to overlap: C.
+// Timing model of the runs below (L layers, N = keep_last, P = prefetch_depth, one entry of
+// B bytes per layer, C = B / h2d bandwidth = 10 us, forward compute F = 20 us >= C, backward
+// Bk, max_inflight 2; T0 = L * F, when forward's compute ends):
+// - Forward hides every D2H copy: group i's copy starts after the compute queued when it is
+//   issued and takes C <= F. The host blocks only in the in-flight bound, last for the copy
+//   of group L - N - 3, until (L - 3) * F + C (its copy starts at (L - 3) * F, N or not), and
+//   the two highest offloaded groups, L - N - 2 and L - N - 1, are still copying then (see
+//   ReclaimedGroupsOfOneStep).
+// - P >= 1: backward is issued at that host time and reclaims those two groups: no restore,
+//   no wait. G = L - N - 2 groups are restored.
+// - P == 0: the first Acquire waits for the forward's copies instead. The last one ends at
+//   (L - 1) * F + C <= T0, before forward's compute does, so this wait costs the compute
+//   stream nothing. Each restore then starts only when backward reaches its layer: every
+//   offloaded layer waits C. Exposed = (L - N) * C.
+// - P >= 1 and Bk >= C: every restore overlaps the backward of a layer above it. Exposed = 0,
+//   keep_last == 0 included: the last layer, whose restore used to have nothing to overlap
+//   with, is reclaimed. Only when the host synchronized before backward (every copy done,
+//   nothing to reclaim) does that layer's on-demand restore stay exposed: C.
+// - P >= 1 and copy-bound (Bk < C): let Acquire(a) be the first Acquire that issues an H2D
+//   copy. The copy is queued after the compute issued so far, the backward of layers
+//   L-1 .. a+1, so it starts at T1 = T0 + (L - 1 - a) * Bk; the G restores then run back to
+//   back (each later one is issued after compute that ended before the previous copy ends),
+//   and layer 0's backward, waiting for the last of them (C > Bk), ends at
+//   T1 + G * C + Bk. Exposed = that - T0 - L * Bk = G * C - a * Bk. (A restored layer high
+//   up may not wait at all, e.g. N = 2, P = 2: its copy started early; the sum still holds.)
+//   Which Acquire that is: a prefetch window takes the next P groups below the acquired one
+//   that still wait for a restore (kept groups and groups already reclaimed are skipped), and
+//   a group it reclaims uses up its place. So the windows of the Acquires from the top
+//   reclaim the still-copying groups, P per Acquire, until the first group to restore falls
+//   into one. They meet W still-copying groups before it: W = 2, or W = 1 with N = 0 (there
+//   Acquire(L-1) reclaims group L-1 itself). The first group to restore is the (W + 1)-th
+//   one met, in the window of the ceil((W + 1) / P)-th Acquire: a = L - ceil((W + 1) / P).
+//   E.g. N = 1, P = 1, L = 8: Acquire(7) reclaims 6, Acquire(6) reclaims 5, Acquire(5)
+//   prefetches 4: a = 5, G = 5, exposed = 5 * C - 5 * Bk.
+//   The test checks the model's premises on the simulated timeline: G copies, the first
+//   starting at T1, each next one starting when the previous ends, and layer 0's backward
+//   starting when the last one ends.
 
 struct ExposureRun {
   double blocked_us;      // what the simulated compute stream sat waiting
   double engine_wait_us;  // what the engine measured (stats().exposed_wait_ms)
   double copy_us;
+  EngineStats stats;
+  std::vector<SimDevice::TimelineEntry> timeline;
 };
 
+// One step; `sync_before_backward`: the host waits for the device between forward and
+// backward (as after reading the loss), so every forward copy is done when backward starts.
 ExposureRun RunExposure(int layers, int keep_last, int prefetch, double forward_us,
-                        double backward_us) {
+                        double backward_us, bool sync_before_backward = false) {
   SimDeviceOptions sim_options;  // 55 / 55 / 97 GB/s, no latency
   EngineHarness harness(Options(keep_last, prefetch), sim_options);
   harness.engine().ResetStats();
-  harness.RunStep(UniformPlan(layers, kTenMicrosecondBytes, 1, forward_us, backward_us), 0);
+  const StepPlan plan = UniformPlan(layers, kTenMicrosecondBytes, 1, forward_us, backward_us);
+  SavedLayers saved;
+  EXPECT_TRUE(harness.Forward(plan, 0, &saved).ok());
+  if (sync_before_backward) EXPECT_TRUE(harness.sim().SynchronizeAll().ok());
+  EXPECT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
+  harness.DrainAndCheck();
   harness.ExpectQuiescent();
-  return ExposureRun{harness.sim().blocked_us(harness.compute()),
-                     harness.engine().stats().exposed_wait_ms * 1e3,
-                     CopyUs(kTenMicrosecondBytes, sim_options.h2d_gbps)};
+  const EngineStats stats = harness.engine().stats();
+  EXPECT_EQ(stats.restored_tensors + stats.reclaimed_tensors, stats.offloaded_tensors);
+  return ExposureRun{harness.sim().blocked_us(harness.compute()), stats.exposed_wait_ms * 1e3,
+                     CopyUs(kTenMicrosecondBytes, sim_options.h2d_gbps), stats,
+                     harness.sim().timeline()};
 }
 
 void ExpectNear(double actual, double expected, const std::string& what) {
@@ -604,18 +714,40 @@ TEST_F(EngineTest, ExposedWaitIsZeroWhenComputeHidesCopies) {
   const int kLayers = 8;
   for (int keep_last : {1, 2}) {
     for (int prefetch : {1, 2}) {
-      SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch));
-      const ExposureRun run = RunExposure(kLayers, keep_last, prefetch, 20, 15);
-      ASSERT_LT(run.copy_us, 15);
-      ExpectNear(run.blocked_us, 0, "sim blocked_us(compute)");
-      ExpectNear(run.engine_wait_us, 0, "stats().exposed_wait_ms");
+      for (bool sync : {false, true}) {
+        SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch,
+                                  " sync_before_backward=", sync));
+        const ExposureRun run = RunExposure(kLayers, keep_last, prefetch, 20, 15, sync);
+        ASSERT_LT(run.copy_us, 15);
+        ExpectNear(run.blocked_us, 0, "sim blocked_us(compute)");
+        ExpectNear(run.engine_wait_us, 0, "stats().exposed_wait_ms");
+        // Without the sync the two groups still copying when forward ends are reclaimed.
+        EXPECT_EQ(run.stats.reclaimed_tensors, sync ? 0 : 2);
+        EXPECT_EQ(run.stats.restored_tensors, kLayers - keep_last - (sync ? 0 : 2));
+      }
     }
   }
 }
 
-TEST_F(EngineTest, ExposedWaitWithKeepLastZeroIsTheFirstBackwardCopy) {
-  // Nothing stays resident, so the last layer's restore cannot overlap any backward.
+TEST_F(EngineTest, ExposedWaitWithKeepLastZeroIsHiddenByReclaimingTheLastLayers) {
+  // Nothing stays resident, but backward starts while layers 7 and 6 are still copying out:
+  // both are reclaimed, and layer 5's restore, prefetched at Acquire(6), overlaps layer 7's
+  // backward (Bk = 15 >= C).
   const ExposureRun run = RunExposure(8, /*keep_last=*/0, /*prefetch=*/1, 20, 15);
+  ASSERT_LT(run.copy_us, 15);
+  EXPECT_EQ(run.stats.reclaimed_tensors, 2);
+  EXPECT_EQ(run.stats.restored_tensors, 6);
+  ExpectNear(run.blocked_us, 0, "sim blocked_us(compute)");
+  ExpectNear(run.engine_wait_us, 0, "stats().exposed_wait_ms");
+}
+
+TEST_F(EngineTest, ExposedWaitWithKeepLastZeroAfterAHostSyncIsTheFirstBackwardCopy) {
+  // Every copy finished before backward: nothing to reclaim, and the last layer's restore,
+  // issued by its own Acquire, has no backward to overlap with.
+  const ExposureRun run = RunExposure(8, /*keep_last=*/0, /*prefetch=*/1, 20, 15,
+                                      /*sync_before_backward=*/true);
+  EXPECT_EQ(run.stats.reclaimed_tensors, 0);
+  EXPECT_EQ(run.stats.restored_tensors, 8);
   ExpectNear(run.blocked_us, run.copy_us, "sim blocked_us(compute)");
   ExpectNear(run.engine_wait_us, run.copy_us, "stats().exposed_wait_ms");
 }
@@ -629,22 +761,49 @@ TEST_F(EngineTest, ExposedWaitWithoutPrefetchIsEveryCopy) {
     EXPECT_GT(expected, 0);
     ExpectNear(run.blocked_us, expected, "sim blocked_us(compute)");
     ExpectNear(run.engine_wait_us, expected, "stats().exposed_wait_ms");
+    // The first Acquire drained the forward copies: every offloaded layer is restored.
+    EXPECT_EQ(run.stats.reclaimed_tensors, 0);
+    EXPECT_EQ(run.stats.restored_tensors, kLayers - keep_last);
   }
 }
 
 TEST_F(EngineTest, ExposedWaitMatchesCopyBoundPrediction) {
   const int kLayers = 8;
+  const int kCopying = 2;        // groups still copying when forward ends (max_inflight)
   const double kBackwardUs = 4;  // < C = 10 us: the copies cannot keep up
-  for (const MatrixParam param : {MatrixParam{0, 1}, MatrixParam{1, 1}, MatrixParam{1, 2},
-                                  MatrixParam{2, 1}, MatrixParam{2, 2}}) {
-    SCOPED_TRACE(absl::StrCat("keep_last=", param.keep_last, " prefetch=",
-                              param.prefetch_depth));
-    const ExposureRun run =
-        RunExposure(kLayers, param.keep_last, param.prefetch_depth, 20, kBackwardUs);
-    ASSERT_GE(run.copy_us, param.keep_last * kBackwardUs);  // the model's precondition
-    const double expected =
-        (kLayers - param.keep_last) * run.copy_us - (kLayers - 1) * kBackwardUs;
+  for (const MatrixParam param : {MatrixParam{0, 1}, MatrixParam{0, 2}, MatrixParam{1, 1},
+                                  MatrixParam{1, 2}, MatrixParam{2, 1}, MatrixParam{2, 2}}) {
+    const int n = param.keep_last;
+    const int p = param.prefetch_depth;
+    SCOPED_TRACE(absl::StrCat("keep_last=", n, " prefetch=", p));
+    const double kForwardUs = 20;
+    const ExposureRun run = RunExposure(kLayers, n, p, kForwardUs, kBackwardUs);
+    ASSERT_GT(run.copy_us, kBackwardUs);
+    const int restored_groups = kLayers - n - kCopying;                   // G
+    const int met_first = n == 0 ? kCopying - 1 : kCopying;               // W
+    const int first_h2d_acquire = kLayers - (met_first + 1 + p - 1) / p;  // a
+    const double t0 = kLayers * kForwardUs;
+    const double t1 = t0 + (kLayers - 1 - first_h2d_acquire) * kBackwardUs;
+    // The model's premises, on the timeline.
+    std::vector<SimDevice::TimelineEntry> h2d;
+    double last_compute_start = -1;
+    for (const SimDevice::TimelineEntry& op : run.timeline) {
+      if (op.kind == "h2d") h2d.push_back(op);
+      if (op.kind == "compute" && op.label == "bwd0") last_compute_start = op.start_us;
+    }
+    std::sort(h2d.begin(), h2d.end(), [](const auto& x, const auto& y) {
+      return x.start_us < y.start_us;
+    });
+    ASSERT_EQ(h2d.size(), static_cast<size_t>(restored_groups));
+    ExpectNear(h2d.front().start_us, t1, "first restore starts at T1");
+    for (size_t i = 1; i < h2d.size(); ++i) {
+      ExpectNear(h2d[i].start_us, h2d[i - 1].end_us, absl::StrCat("restore ", i, " start"));
+    }
+    ExpectNear(last_compute_start, h2d.back().end_us, "layer 0's backward starts");
+    const double expected = restored_groups * run.copy_us - first_h2d_acquire * kBackwardUs;
     EXPECT_GT(expected, 0);
+    EXPECT_EQ(run.stats.reclaimed_tensors, kCopying);
+    EXPECT_EQ(run.stats.restored_tensors, restored_groups);
     ExpectNear(run.blocked_us, expected, "sim blocked_us(compute)");
     ExpectNear(run.engine_wait_us, expected, "stats().exposed_wait_ms");
   }
@@ -670,14 +829,239 @@ TEST_F(EngineTest, DeviceHeldBytesStayWithinBound) {
           EngineHarness harness(Options(keep_last, prefetch, max_inflight));
           harness.RunStep(UniformPlan(kLayers, kBytes, kEntries, forward_us, backward_us), 0);
           harness.ExpectQuiescent();
-          const size_t peak = harness.engine().stats().peak_device_held_bytes;
+          const EngineStats stats = harness.engine().stats();
+          const size_t peak = stats.peak_device_held_bytes;
           const size_t bound = (keep_last + max_inflight + prefetch + 1) * kGroupBytes;
           EXPECT_LE(peak, bound);
           EXPECT_GE(peak, kGroupBytes);  // something was held: the bound was exercised
+          // With prefetch the bound is exercised with reclaim too: the max_inflight groups
+          // still copying when forward ends (see ReclaimedGroupsOfOneStep).
+          const int64_t reclaimed =
+              kEntries * ReclaimedGroupsOfOneStep(kLayers - keep_last, prefetch, max_inflight);
+          EXPECT_EQ(stats.reclaimed_tensors, reclaimed);
+          EXPECT_EQ(stats.restored_tensors + stats.reclaimed_tensors, stats.offloaded_tensors);
         }
       }
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------
+// Reclaim: backward needs an entry whose D2H copy is still running.
+
+bool Logged(const std::vector<SimClient::Release>& log, EntryId entry, double* at_us) {
+  for (const SimClient::Release& release : log) {
+    if (release.entry == entry) {
+      if (at_us != nullptr) *at_us = release.host_time_us;
+      return true;
+    }
+  }
+  return false;
+}
+
+// Ends of the "d2h" copies in the sim's timeline, in issue order (one engine, FIFO).
+std::vector<double> D2HEnds(const SimDevice& sim) {
+  std::vector<double> ends;
+  for (const SimDevice::TimelineEntry& op : sim.timeline()) {
+    if (op.kind == "d2h") ends.push_back(op.end_us);
+  }
+  std::sort(ends.begin(), ends.end());
+  return ends;
+}
+
+TEST_F(EngineTest, EntryStillCopyingWhenBackwardNeedsItIsReclaimed) {
+  // L = 5 layers of one entry of B bytes (C = 10 us), F = 20 us, Bk = 5 us, prefetch 1,
+  // max_inflight 2. Group k copies out over [(k + N) * F, (k + N) * F + C] (after the compute
+  // queued when its copy is issued; C <= F, so copies never queue). The host last waits for
+  // group L - N - 3's copy, until (L - 3) * F + C = 50 us, and forward ends with groups
+  // L - N - 2 and L - N - 1 ("low" and "high") copying until 70 and 90 us. Backward starts
+  // at host time 50: with N = 0 Acquire(4) reclaims group 4 itself (the on-demand path) and
+  // its prefetch window reclaims group 3; with N = 1 the windows of Acquire(4) and Acquire(3)
+  // reclaim groups 3 and 2.
+  const size_t kB = kTenMicrosecondBytes;
+  const int kLayers = 5;
+  for (int keep_last : {0, 1}) {
+    SCOPED_TRACE(absl::StrCat("keep_last=", keep_last));
+    EngineHarness harness(Options(keep_last, 1));
+    const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 5);
+    SavedLayers saved;
+    ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+    ExpectNear(harness.sim().host_time_us(), 50, "host time when forward ends");
+    const int low = kLayers - keep_last - 2;
+    const int high = kLayers - keep_last - 1;
+    const SavedTensor low_tensor = saved[low][0];
+    const SavedTensor high_tensor = saved[high][0];
+    EXPECT_FALSE(harness.client().Released(low_tensor.entry));
+    EXPECT_FALSE(harness.client().Released(high_tensor.entry));
+
+    // Backward through the kept layers and both reclaimed ones. The harness checks that each
+    // resident Acquire sees the caller's source intact and not released. Both Discards came
+    // while the copies still read the sources: they returned true (the harness did not drop
+    // them), and the engine keeps them.
+    ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, /*max_layers=*/keep_last + 2)
+                    .ok());
+    EngineStats stats = harness.engine().stats();
+    EXPECT_EQ(stats.reclaimed_tensors, 2);
+    EXPECT_EQ(harness.resident_uses(), keep_last + 2);
+    const std::vector<EntryId> unsettled = harness.client().UnsettledSources();
+    EXPECT_NE(std::find(unsettled.begin(), unsettled.end(), low_tensor.entry), unsettled.end());
+    EXPECT_NE(std::find(unsettled.begin(), unsettled.end(), high_tensor.entry),
+              unsettled.end());
+    EXPECT_FALSE(harness.client().Released(low_tensor.entry));
+    EXPECT_FALSE(harness.client().Released(high_tensor.entry));
+    // Held for the engine alone now: the two sources, plus group low - 1's restore, which
+    // the last of those Acquires prefetched.
+    EXPECT_EQ(stats.device_held_bytes, 3 * kB);
+    // Every host block is still live: the reclaimed ones are being written by their copies.
+    EXPECT_EQ(stats.arena.live_blocks, kLayers - keep_last);
+
+    // 75 us: the low copy ended (70), the high one did not (90). The next layer's backward
+    // (its Acquire and Discard poll) hands the low source back, and only that one.
+    harness.sim().AdvanceHost(25);
+    ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, 1).ok());
+    EXPECT_TRUE(harness.client().Released(low_tensor.entry));
+    EXPECT_FALSE(harness.client().Released(high_tensor.entry));
+    EXPECT_EQ(harness.engine().stats().device_held_bytes, 2 * kB);  // high + next prefetch
+    // 95 us: the high copy ended too; the next layer's backward hands it back.
+    harness.sim().AdvanceHost(20);
+    ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, 1).ok());
+    EXPECT_TRUE(harness.client().Released(high_tensor.entry));
+    ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
+    harness.DrainAndCheck();
+    harness.ExpectQuiescent();  // no hazard: no source released, no block freed, mid-copy
+
+    // Each release came after the copy reading that source ended.
+    const std::vector<double> ends = D2HEnds(harness.sim());
+    ASSERT_EQ(ends.size(), static_cast<size_t>(kLayers - keep_last));
+    ExpectNear(ends[low], 70, "low copy end");
+    ExpectNear(ends[high], 90, "high copy end");
+    const std::vector<SimClient::Release> log = harness.client().release_log();
+    double low_at = -1;
+    double high_at = -1;
+    ASSERT_TRUE(Logged(log, low_tensor.entry, &low_at));
+    ASSERT_TRUE(Logged(log, high_tensor.entry, &high_at));
+    ExpectNear(low_at, 75, "low source released at");
+    ExpectNear(high_at, 95, "high source released at");
+
+    // No H2D copy and no second device buffer for the reclaimed entries; their D2H copies
+    // still ran.
+    stats = harness.engine().stats();
+    const int64_t restored = kLayers - keep_last - 2;
+    EXPECT_EQ(stats.offloaded_tensors, kLayers - keep_last);
+    EXPECT_EQ(stats.restored_tensors, restored);
+    EXPECT_EQ(stats.prefetched_tensors, restored);
+    EXPECT_EQ(stats.restored_tensors + stats.reclaimed_tensors, stats.offloaded_tensors);
+    EXPECT_EQ(harness.client().allocated_restores(), restored);
+    EXPECT_EQ(harness.checked_total(), static_cast<size_t>(restored));
+    EXPECT_EQ(harness.sim().bytes_copied_to_device(), restored * kB);
+    EXPECT_EQ(harness.sim().bytes_copied_to_host(), (kLayers - keep_last) * kB);
+  }
+}
+
+TEST_F(EngineTest, ReclaimedEntryDiscardedAfterItsCopyGoesStraightBackToTheCaller) {
+  // As above with keep_last 1: groups 1 and 2 copy until 50 and 70 us; backward starts at
+  // 30 us and reclaims both. Their handles die only at 75 us, after both copies ended:
+  // Discard returns false (the caller may reuse the memory) and no ReleaseSource follows.
+  const size_t kB = kTenMicrosecondBytes;
+  EngineHarness harness(Options(1, 1));
+  const StepPlan plan = UniformPlan(4, kB, 1, 20, 5);
+  SavedLayers saved;
+  ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+  std::vector<EntryId> ids;
+  for (const auto& tensors : saved) ids.push_back(tensors[0].entry);
+  OffloadEngine& engine = harness.engine();
+  std::vector<SimBufferRef> reads;
+  for (int layer : {3, 2, 1}) {
+    const SavedTensor& tensor = saved[layer][0];
+    absl::StatusOr<OffloadEngine::Acquired> acquired =
+        engine.Acquire(tensor.entry, harness.compute());
+    ASSERT_TRUE(acquired.ok()) << acquired.status();
+    EXPECT_TRUE(acquired->resident) << "layer " << layer;
+    EXPECT_EQ(FirstMismatch(tensor.source, tensor.bytes, tensor.tag), -1) << "layer " << layer;
+    reads.push_back({tensor.source, tensor.bytes});
+  }
+  harness.sim().Compute(harness.compute(), 3 * plan.backward_us, reads);
+  EXPECT_EQ(engine.stats().reclaimed_tensors, 2);
+  harness.sim().AdvanceHost(45);
+  for (int layer : {3, 2, 1}) {
+    SavedTensor& tensor = saved[layer][0];
+    EXPECT_FALSE(engine.Discard(tensor.entry)) << "layer " << layer;
+    harness.client().CallerDropped(tensor.entry);
+    tensor.entry = 0;
+  }
+  EXPECT_EQ(engine.stats().device_held_bytes, kB);  // group 0's prefetched restore
+  ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
+  EXPECT_EQ(harness.DrainAndCheck(), 1u);
+  harness.ExpectQuiescent();  // includes: no ReleaseSource after the caller dropped a source
+  // Only group 0's source came back through ReleaseSource (its copy finished in forward).
+  const std::vector<SimClient::Release> log = harness.client().release_log();
+  ASSERT_EQ(log.size(), 1u);
+  EXPECT_EQ(log[0].entry, ids[0]);
+  const EngineStats stats = harness.engine().stats();
+  EXPECT_EQ(stats.reclaimed_tensors, 2);
+  EXPECT_EQ(stats.restored_tensors, 1);
+  EXPECT_EQ(harness.sim().bytes_copied_to_device(), kB);
+}
+
+TEST_F(EngineTest, PrefetchZeroFirstAcquireDrainsTheForwardCopies) {
+  // keep_last 1, prefetch 0, L = 5 layers of one entry (C = 10 us), F = 20 us, Bk = 5 us.
+  // Relative to the step's start, group k copies out over [(k + 1) * F, (k + 1) * F + C];
+  // the host last waits for group 1 (until 50 us) and forward ends with groups 2 and 3
+  // copying until 70 and 90 us. The first Acquire waits for both before it returns, so at
+  // 90 us (4 * F + C) every offloaded source has been handed back and nothing is left to
+  // reclaim. Two steps: every backward's first Acquire drains.
+  const size_t kB = kTenMicrosecondBytes;
+  const int kLayers = 5;
+  EngineHarness harness(Options(1, 0));
+  const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 5);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE(absl::StrCat("step ", step));
+    harness.engine().ResetStats();
+    const double t0 = harness.sim().host_time_us();
+    const size_t logged_before = harness.client().release_log().size();
+    SavedLayers saved;
+    ASSERT_TRUE(harness.Forward(plan, step, &saved).ok());
+    ExpectNear(harness.sim().host_time_us() - t0, 50, "host time when forward ends");
+    std::vector<SimClient::Release> log = harness.client().release_log();
+    EXPECT_EQ(log.size() - logged_before, 2u);  // groups 0 and 1
+    for (int layer : {2, 3}) EXPECT_FALSE(harness.client().Released(saved[layer][0].entry));
+
+    const SavedTensor& last = saved[kLayers - 1][0];
+    absl::StatusOr<OffloadEngine::Acquired> first =
+        harness.engine().Acquire(last.entry, harness.compute());
+    ASSERT_TRUE(first.ok()) << first.status();
+    EXPECT_TRUE(first->resident);  // the kept layer
+    const double returned_at = harness.sim().host_time_us();
+    ExpectNear(returned_at - t0, 90, "first Acquire returned at");
+    log = harness.client().release_log();
+    EXPECT_EQ(log.size() - logged_before, static_cast<size_t>(kLayers - 1));
+    for (int layer = 0; layer + 1 < kLayers; ++layer) {
+      SCOPED_TRACE(absl::StrCat("layer ", layer));
+      double at = -1;
+      ASSERT_TRUE(Logged(log, saved[layer][0].entry, &at));
+      EXPECT_LE(at, returned_at);
+      // The copy of layer `layer` ended at (layer + 1) * F + C; it was released no earlier,
+      // and at the latest when the host next polled: at 30, 50 (forward), or 90 (the drain).
+      const double copy_end = (layer + 1) * 20 + 10;
+      EXPECT_GE(at - t0, copy_end - 1e-6);
+    }
+    EXPECT_EQ(harness.engine().stats().reclaimed_tensors, 0);
+    EXPECT_EQ(harness.engine().stats().device_held_bytes, 0u);
+
+    // The layer's backward, then the rest: every offloaded layer is restored.
+    harness.sim().Compute(harness.compute(), plan.backward_us, {{last.source, last.bytes}});
+    EXPECT_FALSE(harness.engine().Discard(last.entry));
+    harness.client().CallerDropped(last.entry);
+    saved[kLayers - 1][0].entry = 0;
+    ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
+    EXPECT_EQ(harness.DrainAndCheck(), static_cast<size_t>(kLayers - 1));
+    harness.ExpectQuiescent();
+    const EngineStats stats = harness.engine().stats();
+    EXPECT_EQ(stats.reclaimed_tensors, 0);
+    EXPECT_EQ(stats.restored_tensors, kLayers - 1);
+    EXPECT_EQ(stats.offloaded_tensors, kLayers - 1);
+  }
+  EXPECT_EQ(harness.sim().bytes_copied_to_device(), 2 * (kLayers - 1) * kB);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -730,15 +1114,23 @@ TEST_F(EngineTest, ResetMidBackwardReleasesEverythingAndNextStepWorks) {
       ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
       ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, /*max_layers=*/3).ok());
       ASSERT_TRUE(harness.engine().Reset().ok());
+      // The three layers backward got through (7, 6, 5) used restored buffers except for the
+      // keep_last kept ones and, with prefetch, the two groups below them that were still
+      // copying when backward started (reclaimed; see ReclaimedGroupsOfOneStep).
+      const int reclaimed_groups =
+          static_cast<int>(ReclaimedGroupsOfOneStep(8 - keep_last, prefetch, 2));
       const size_t consumed = harness.DrainAndCheck();
-      EXPECT_EQ(consumed, 2u * static_cast<size_t>(std::max(0, 3 - keep_last)));
+      EXPECT_EQ(consumed,
+                2u * static_cast<size_t>(std::max(0, 3 - keep_last - reclaimed_groups)));
       harness.ExpectQuiescent();
       if (prefetch > 0) EXPECT_GT(harness.client().dropped_restores(), 0);
       ExpectPreResetEntriesAreGone(harness, saved);
       harness.engine().ResetStats();
       harness.RunStep(plan, 1);
       harness.ExpectQuiescent();
-      EXPECT_EQ(harness.engine().stats().restored_tensors, 2 * (8 - keep_last));
+      const EngineStats stats = harness.engine().stats();
+      EXPECT_EQ(stats.reclaimed_tensors, 2 * reclaimed_groups);
+      EXPECT_EQ(stats.restored_tensors, 2 * (8 - keep_last - reclaimed_groups));
     }
   }
 }
@@ -766,16 +1158,31 @@ TEST_F(EngineTest, StepsWithDifferentGroupCountsAndSizes) {
     harness.RunStep(plan, step++);
     harness.ExpectQuiescent();
     const EngineStats stats = harness.engine().stats();
+    // All but the last layer (kept) are offloaded; the highest min(2, offloaded) of them are
+    // still copying when forward ends and are reclaimed (ReclaimedGroupsOfOneStep), so the
+    // layers below them are all that is restored.
+    const int offloaded_groups = plan.layers() - 1;
+    const int restored_groups =
+        offloaded_groups -
+        static_cast<int>(ReclaimedGroupsOfOneStep(offloaded_groups, /*prefetch_depth=*/1, 2));
     int64_t entries = 0;
     size_t bytes = 0;
-    for (int layer = 0; layer + 1 < plan.layers(); ++layer) {  // all but the last (kept)
+    int64_t restored_entries = 0;
+    size_t restored_bytes = 0;
+    for (int layer = 0; layer < offloaded_groups; ++layer) {
       entries += static_cast<int64_t>(plan.entry_bytes[layer].size());
       bytes += plan.group_bytes(layer);
+      if (layer < restored_groups) {
+        restored_entries += static_cast<int64_t>(plan.entry_bytes[layer].size());
+        restored_bytes += plan.group_bytes(layer);
+      }
     }
     EXPECT_EQ(stats.groups, plan.layers());
     EXPECT_EQ(stats.offloaded_tensors, entries);
     EXPECT_EQ(stats.offloaded_bytes, bytes);
-    EXPECT_EQ(stats.restored_bytes, bytes);
+    EXPECT_EQ(stats.restored_tensors, restored_entries);
+    EXPECT_EQ(stats.restored_bytes, restored_bytes);
+    EXPECT_EQ(stats.reclaimed_tensors, entries - restored_entries);
     EXPECT_EQ(stats.kept_resident_tensors,
               static_cast<int64_t>(plan.entry_bytes.back().size()));
   }
@@ -795,7 +1202,10 @@ TEST_F(EngineTest, GradientAccumulationForwardBackwardTwice) {
         const EngineStats stats = harness.engine().stats();
         EXPECT_EQ(stats.kept_resident_tensors, keep_last);
         EXPECT_EQ(stats.offloaded_tensors, 6 - keep_last);
-        EXPECT_EQ(stats.restored_tensors, 6 - keep_last);
+        // Every micro-batch is a step of its own: its two groups still copying when its
+        // forward ends are reclaimed (ReclaimedGroupsOfOneStep).
+        EXPECT_EQ(stats.reclaimed_tensors, 2);
+        EXPECT_EQ(stats.restored_tensors, 6 - keep_last - 2);
       }
     }
   }
@@ -820,6 +1230,12 @@ TEST_F(EngineTest, TwoForwardsThenTwoBackwards) {
       const EngineStats stats = harness.engine().stats();
       EXPECT_EQ(stats.kept_resident_tensors, 2 * keep_last);
       EXPECT_EQ(stats.offloaded_tensors, 2 * (10 - keep_last));
+      // The two forwards are one run of groups for the in-flight bound: when the second
+      // ends, its two highest offloaded groups are still copying (ReclaimedGroupsOfOneStep);
+      // the first forward's copies finished before. Two entries per group.
+      const int64_t reclaimed = 2 * ReclaimedGroupsOfOneStep(10 - keep_last, prefetch, 2);
+      EXPECT_EQ(stats.reclaimed_tensors, reclaimed);
+      EXPECT_EQ(stats.restored_tensors, 2 * (10 - keep_last) - reclaimed);
     }
   }
 }
@@ -833,8 +1249,15 @@ TEST_F(EngineTest, RetainedGraphAcquireTwiceReturnsEqualData) {
       SavedLayers saved;
       ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
 
+      // The highest two offloaded groups (3 and 4 with keep_last 0, 2 and 3 with keep_last 1)
+      // are still copying when forward ends; with prefetch the backward reclaims them (see
+      // ReclaimedGroupsOfOneStep), and they stay resident for the graph's later backwards.
+      // Group 1 finished copying with either keep_last: it is restored every time.
+      const int reclaimed_groups =
+          static_cast<int>(ReclaimedGroupsOfOneStep(5 - keep_last, prefetch, 2));
+      const int restored_groups = 5 - keep_last - reclaimed_groups;
       // The same entry twice in a row: two buffers, equal bytes.
-      const SavedTensor& probe = saved[2][1];
+      const SavedTensor& probe = saved[1][1];
       std::vector<void*> copies;
       for (int i = 0; i < 2; ++i) {
         absl::StatusOr<OffloadEngine::Acquired> acquired =
@@ -855,8 +1278,14 @@ TEST_F(EngineTest, RetainedGraphAcquireTwiceReturnsEqualData) {
       EXPECT_EQ(FirstMismatch(copies[0], probe.bytes, probe.tag), -1);
       EXPECT_EQ(std::memcmp(copies[0], copies[1], probe.bytes), 0);
       for (void* copy : copies) harness.sim().FreeDeviceBuffer(copy);
-      // Every offloaded entry was restored by both backwards and checked each time.
-      EXPECT_EQ(harness.DrainAndCheck(), 2u * 2 * (5 - keep_last));
+      // Every offloaded entry that was not reclaimed was restored by both backwards and
+      // checked each time; the reclaimed and kept ones were used in place by both.
+      EXPECT_EQ(harness.DrainAndCheck(), 2u * 2 * restored_groups);
+      EXPECT_EQ(harness.resident_uses(), 2 * 2 * (keep_last + reclaimed_groups));
+      const EngineStats stats = harness.engine().stats();
+      EXPECT_EQ(stats.reclaimed_tensors, 2 * reclaimed_groups);
+      // Each reclaimed entry counts once; the probe's two extra restores come on top.
+      EXPECT_EQ(stats.restored_tensors, 2 * 2 * restored_groups + 2);
       harness.ExpectQuiescent();
     }
   }
@@ -899,7 +1328,12 @@ TEST_F(EngineTest, PartialCapOffloadsWhatFitsAndKeepsTheRest) {
     const EngineStats stats = harness.engine().stats();
     EXPECT_EQ(stats.offloaded_tensors, 3);
     EXPECT_EQ(stats.cap_fallbacks, 8 - 1 - 3);
-    EXPECT_EQ(stats.restored_tensors, 3);
+    // Groups 0..2 copy out (20 + 20 * i to ~1.2 us later). The host waits for group 0 when
+    // group 2 starts and for group 1 when group 3 would start (it falls back: no copy, so it
+    // joins no in-flight count and later groups wait for nothing). Forward ends with group
+    // 2 alone still copying: backward reclaims it and restores groups 0 and 1.
+    EXPECT_EQ(stats.reclaimed_tensors, 1);
+    EXPECT_EQ(stats.restored_tensors, 2);
     EXPECT_LE(stats.arena.reserved_bytes, 3 * kBytes);
   }
 }
@@ -946,7 +1380,9 @@ TEST_F(EngineTest, InjectedCopyFailureInForwardThenResetAndNextStepWork) {
     harness.engine().ResetStats();
     harness.RunStep(plan, 2);
     harness.ExpectQuiescent();
-    EXPECT_EQ(harness.engine().stats().restored_tensors, 3 * (6 - keep_last));
+    // The step's two highest offloaded groups were still copying (ReclaimedGroupsOfOneStep).
+    EXPECT_EQ(harness.engine().stats().reclaimed_tensors, 3 * 2);
+    EXPECT_EQ(harness.engine().stats().restored_tensors, 3 * (6 - keep_last - 2));
   }
 }
 
@@ -978,7 +1414,10 @@ TEST_F(EngineTest, InjectedCopyFailureInBackwardThenResetAndNextStepWork) {
       harness.engine().ResetStats();
       harness.RunStep(plan, 1);
       harness.ExpectQuiescent();
-      EXPECT_EQ(harness.engine().stats().restored_tensors, 3 * (6 - keep_last));
+      const int64_t reclaimed_groups = ReclaimedGroupsOfOneStep(6 - keep_last, prefetch, 2);
+      EXPECT_EQ(harness.engine().stats().reclaimed_tensors, 3 * reclaimed_groups);
+      EXPECT_EQ(harness.engine().stats().restored_tensors,
+                3 * (6 - keep_last - reclaimed_groups));
     }
   }
 }
@@ -1056,6 +1495,48 @@ TEST_F(EngineTest, FailedCopyWithoutResetKeepsDataIntact) {
   ASSERT_TRUE(status.ok()) << status;
   harness.DrainAndCheck();
   harness.ExpectQuiescent();
+}
+
+TEST_F(EngineTest, D2HRecordFailureThenCarryOnReclaimsSafely) {
+  // BeginGroup queues the copies of the group leaving the keep_last window, then recording
+  // their completion event fails: BeginGroup returns the error and begins no group, and
+  // those copies run with no event of theirs. A caller that carries on (no Reset) must still
+  // see intact data and no hazard: before backward reclaims or restores that group, its
+  // copies get a completion record, so a reclaimed entry's host block is freed, and its
+  // source handed back, only after its copy.
+  // Three layers (C = 10 us <= F = 20 us), the failing BeginGroup, three more layers. The
+  // untracked copy, of the first three layers' layer 3 - N (the one leaving the window),
+  // starts after the third layer's compute, at 60 us, and ends at 70 us; forward ends at
+  // host time 50 us with two tracked groups still copying (ReclaimedGroupsOfOneStep), so
+  // with prefetch backward reclaims those two and the untracked one. Without prefetch the
+  // first Acquire drains the tracked copies (the host wakes at 110 us); the untracked group
+  // still looks copying to the engine (no event said otherwise) and its Acquire reclaims it.
+  for (int keep_last : {1, 2}) {
+    for (int prefetch : {0, 1}) {
+      SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch));
+      EngineHarness harness(Options(keep_last, prefetch));
+      const StepPlan plan = UniformPlan(3, kTenMicrosecondBytes, 1, 20, 5);
+      SavedLayers saved;
+      ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+      harness.device().FailNextRecordOn(harness.sim().d2h_stream());
+      SavedLayers failed;
+      absl::Status status = harness.Forward(plan, 1, &failed, /*max_layers=*/1);
+      EXPECT_EQ(status.message(), "copy-failing device: record failed");
+      EXPECT_TRUE(failed.empty());
+      SavedLayers rest;
+      ASSERT_TRUE(harness.Forward(plan, 2, &rest).ok());
+      ExpectNear(harness.sim().host_time_us(), 50, "host time when forward ends");
+      ASSERT_TRUE(harness.Backward(&rest, plan.backward_us).ok());
+      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
+      harness.DrainAndCheck();
+      harness.ExpectQuiescent();  // every source handed back or dropped: none left behind
+      const EngineStats stats = harness.engine().stats();
+      const int64_t reclaimed = prefetch == 0 ? 1 : 3;
+      EXPECT_EQ(stats.offloaded_tensors, 6 - keep_last);
+      EXPECT_EQ(stats.reclaimed_tensors, reclaimed);
+      EXPECT_EQ(stats.restored_tensors, 6 - keep_last - reclaimed);
+    }
+  }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1185,7 +1666,9 @@ TEST_F(EngineTest, ForwardAndBackwardOnTwoThreads) {
     const EngineStats stats = harness.engine().stats();
     EXPECT_EQ(stats.groups, kSteps * plan.layers());
     EXPECT_GT(stats.offloaded_tensors, 0);
-    EXPECT_EQ(stats.restored_tensors, stats.offloaded_tensors);
+    // How many entries were still copying when their backward came depends on the threads'
+    // interleaving; each offloaded entry was either restored or reclaimed, exactly once.
+    EXPECT_EQ(stats.restored_tensors + stats.reclaimed_tensors, stats.offloaded_tensors);
   }
 }
 

@@ -130,7 +130,10 @@ TEST(PlannerTest, ExposedIsZeroWhenComputeDominates) {
 }
 
 TEST(PlannerTest, ExposedWithoutPrefetchIsEveryRestore) {
-  // Forward hides every offload; backward then waits a whole restore per offloaded layer.
+  // Forward hides every offload (C = 39 ms per copy, F = 320 ms per layer). prefetch_depth 0:
+  // the first Acquire waits for the forward's last copy, which ends at 79F + C, before the
+  // last layer's forward does (80F), so that wait costs nothing; with it done no layer is
+  // reclaimed, and backward then waits a whole restore per offloaded layer.
   for (int keep_last : {0, 1, 4}) {
     SCOPED_TRACE(absl::StrCat("keep_last=", keep_last));
     PlanInput input = PresetInput("llama-70b", 131072);
@@ -147,25 +150,71 @@ TEST(PlannerTest, ExposedWithoutPrefetchIsEveryRestore) {
   }
 }
 
-TEST(PlannerTest, KeepLastZeroExposesTheFirstRestore) {
+TEST(PlannerTest, KeepLastZeroReclaimsTheLastLayersAndExposesNothing) {
+  // keep_last 0 keeps nothing, but layer k's copy runs over [kF, kF + C] (after the compute
+  // queued when layer k is offered) and the in-flight bound last makes the host wait for
+  // layer 77's, so backward starts at host time 77F + C with layers 78 and 79 still copying
+  // out. Acquire(79) reclaims layer 79 itself, its prefetch reclaims 78; Acquire(78)
+  // prefetches 77 behind bwd79, and that copy (C) ends long before bwd78 does (Bk = 3F > C),
+  // as does every later one behind the backward above it. Forward never starves either (the
+  // host is at most (k - 2)F + C < kF when it issues layer k's compute). Nothing is exposed;
+  // the restore that used to be exposed (layer 79's, on demand) is not made at all.
   PlanInput input = PresetInput("llama-70b", 131072);
   input.keep_last = 0;
   const Plan plan = MustPlan(input);
   const double restore_s = static_cast<double>(plan.bytes_per_layer) / (input.h2d_gbps * 1e9);
-  EXPECT_NEAR(plan.exposed_s, restore_s, 1e-6 * restore_s);
+  ASSERT_LT(restore_s, plan.forward_s_per_layer);   // 2F > C: forward hides the copies
+  ASSERT_LT(restore_s, plan.backward_s_per_layer);  // Bk > C
+  EXPECT_NEAR(plan.exposed_s, 0, 1e-9 * plan.compute_s);
+  EXPECT_NEAR(plan.backward_wait_s, 0, 1e-9 * plan.compute_s);
+  EXPECT_NEAR(plan.engine_exposed_wait_s, 0, 1e-9 * plan.compute_s);
+  EXPECT_NEAR(plan.step_s, plan.compute_s, 1e-9 * plan.compute_s);
 }
 
-TEST(PlannerTest, CopyBoundStepExposesMostOfThePcieTime) {
+TEST(PlannerTest, CopyBoundStepMatchesTheScheduleWithReclaim) {
   PlanInput input = PresetInput("llama-8b", 8192);
   input.tflops = 20000;  // compute far faster than PCIe
   const Plan plan = MustPlan(input);
   ASSERT_GT(plan.pcie_s, plan.compute_s);
-  EXPECT_GT(plan.exposed_s, 0);
-  // Exposure can never exceed the copies themselves, nor fall below the part of them no
-  // compute could hide.
-  EXPECT_LE(plan.exposed_s, plan.pcie_s);
-  EXPECT_GE(plan.exposed_s, plan.pcie_s - plan.compute_s);
+  // The schedule (keep_last 1, prefetch 1, max_inflight 2, L = 32; per layer F forward,
+  // Bk = 3F backward, C = B / 55 GB/s per copy alone):
+  // - Forward, 2F < C: the D2H engine is the bottleneck. Layer k's copy runs back to back
+  //   over [F + kC, F + (k + 1)C]. From BeginGroup(3) on, the in-flight bound makes the host
+  //   wait for copy k - 3 before it issues copy k - 1, so layer k's compute (k >= 3) is
+  //   issued, and runs, at F + (k - 2)C. Forward ends at host time F + 29C (after copy 28)
+  //   with copies 29 and 30 running until F + 30C and F + 31C; bwd31 starts at 2F + 29C.
+  // - Backward is all issued at host time F + 29C: Acquire(31) (kept) reclaims layer 30 by
+  //   prefetch, Acquire(30) reclaims 29, Acquire(29) prefetches 28, whose copy waits for the
+  //   compute queued then: it starts at s = 2F + 29C + 2Bk = 8F + 29C. Copy 29 ended before
+  //   (7F > C); copy 30 did not (2C > 7F): until it ends, both directions share the 97 GB/s
+  //   cap at 48.5 GB/s each (it ends first, as e - s < C), which delays restore 28 by
+  //   delta = (e - s) * (55 / 48.5 - 1), e = F + 31C the end copy 30 had alone.
+  // - The 29 restores (28 .. 0) then run back to back, every backward waiting for its copy
+  //   (Bk < C), and bwd0 ends at s + 29C + delta + Bk.
+  // Step = 11F + 58C + delta; compute = 32 * 4F = 128F; exposed = 58C - 117F + delta. The
+  // compute stream's waits are backward's share of it, 29(C - Bk) + delta; the rest,
+  // 29C - 30F, is forward compute issued late by the host waiting in the in-flight bound.
+  // Without reclaim the step would carry two more restores (2C).
+  const double f = plan.forward_s_per_layer;
+  const double bk = plan.backward_s_per_layer;
+  const double c = static_cast<double>(plan.bytes_per_layer) / (input.h2d_gbps * 1e9);
+  ASSERT_EQ(input.d2h_gbps, input.h2d_gbps);
+  ASSERT_LT(2 * f, c);
+  ASSERT_GT(7 * f, c);
+  ASSERT_LT(7 * f, 2 * c);
+  ASSERT_LT(bk, c);
+  const double shared_gbps = input.bidir_gbps / 2;
+  ASSERT_LT(shared_gbps, input.h2d_gbps);
+  const double s = 8 * f + 29 * c;
+  const double e = f + 31 * c;
+  const double delta = (e - s) * (input.h2d_gbps / shared_gbps - 1);
+  const double expected = 58 * c - 117 * f + delta;
+  EXPECT_NEAR(plan.compute_s, 128 * f, 1e-9 * plan.compute_s);
+  EXPECT_NEAR(plan.exposed_s, expected, 1e-6 * expected);
+  EXPECT_NEAR(plan.backward_wait_s, 29 * (c - bk) + delta, 1e-6 * expected);
+  EXPECT_NEAR(plan.engine_exposed_wait_s, 29 * (c - bk) + delta, 1e-6 * expected);
   EXPECT_NEAR(plan.step_s, plan.compute_s + plan.exposed_s, 1e-9 * plan.step_s);
+  EXPECT_LE(plan.exposed_s, plan.pcie_s);
   // The engine bounds what it holds on the device: keep_last + in-flight + prefetch + 1.
   EXPECT_LE(plan.peak_engine_device_bytes,
             static_cast<size_t>(input.keep_last + input.max_inflight_d2h_groups +

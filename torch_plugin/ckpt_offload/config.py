@@ -17,6 +17,12 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
+# The native engine stores the integer fields as C++ int, int64_t and uint64_t: larger values
+# must fail here, naming the field, not as a TypeError from the extension's constructor.
+_INT_MAX = 2**31 - 1
+_INT64_MAX = 2**63 - 1
+_UINT64_MAX = 2**64 - 1
+
 HostMemoryLimit = Union[None, int, float, str]
 
 
@@ -44,13 +50,17 @@ def parse_host_memory_limit(value: HostMemoryLimit, field: str = "host_memory_li
     if isinstance(value, bool):
         raise ValueError(f"{field}: got {value!r}; {accepted}")
     if isinstance(value, int):
-        if value <= 0:
-            raise ValueError(f"{field}: must be positive, got {value}; {accepted}")
+        if not 0 < value <= _UINT64_MAX:
+            raise ValueError(f"{field}: must be positive and at most 2**64 - 1 bytes, got {value}; "
+                             f"{accepted}")
         return value
     if isinstance(value, float):
         if not 0.0 < value <= 1.0:
             raise ValueError(f"{field}: a fraction must be in (0, 1], got {value}; {accepted}")
-        return int(ram * value)
+        size = int(ram * value)
+        if size <= 0:
+            raise ValueError(f"{field}: the fraction {value} of RAM is 0 bytes; {accepted}")
+        return size
     if isinstance(value, str):
         match = _SIZE.match(value)
         unit = match.group(2).lower() if match else None
@@ -60,17 +70,20 @@ def parse_host_memory_limit(value: HostMemoryLimit, field: str = "host_memory_li
         if unit == "" and "." in match.group(1):
             return parse_host_memory_limit(number, field)
         size = int(number * _UNITS[unit])
-        if size <= 0:
-            raise ValueError(f"{field}: must be positive, got {value!r}; {accepted}")
+        if not 0 < size <= _UINT64_MAX:
+            raise ValueError(f"{field}: must be positive and at most 2**64 - 1 bytes, got "
+                             f"{value!r}; {accepted}")
         return size
-    raise ValueError(f"{field}: unsupported type {type(value).__name__}; {accepted}")
+    raise ValueError(f"{field}: unsupported type {type(value).__name__} ({value!r}); {accepted}")
 
 
-def _check_int(name: str, value, minimum: int) -> None:
+def _check_int(name: str, value, minimum: int, maximum: int = _INT_MAX) -> None:
+    accepted = f"accepted: an int from {minimum} to {maximum}"
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name}: must be >= {minimum}, got {value}")
+        raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r} "
+                         f"({type(value).__name__}); {accepted}")
+    if not minimum <= value <= maximum:
+        raise ValueError(f"{name}: must be an int >= {minimum}, got {value}; {accepted}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,11 +112,11 @@ class OffloadConfig:
     def __post_init__(self):
         _check_int("keep_last", self.keep_last, 0)
         _check_int("prefetch_depth", self.prefetch_depth, 0)
-        _check_int("min_offload_bytes", self.min_offload_bytes, 0)
+        _check_int("min_offload_bytes", self.min_offload_bytes, 0, _INT64_MAX)
         _check_int("max_inflight_d2h_groups", self.max_inflight_d2h_groups, 1)
-        if self.backend not in BACKENDS:
+        if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {self.backend!r}")
-        if self.scope not in SCOPES:
+        if not isinstance(self.scope, str) or self.scope not in SCOPES:
             raise ValueError(f"scope: must be one of {SCOPES}, got {self.scope!r}")
         parse_host_memory_limit(self.host_memory_limit)
 

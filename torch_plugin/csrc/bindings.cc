@@ -116,7 +116,15 @@ PYBIND11_MODULE(_C, m) {
             return py::cast(self.Unpack(obj.cast<const PackedTensor&>()));
           },
           py::arg("packed"))
-      .def("ineligible_reason", &TensorOffloader::IneligibleReason, py::arg("tensor"))
+      .def(
+          "ineligible_reason",
+          [](const TensorOffloader& self, py::object obj) -> std::string {
+            if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
+              return "nn.Parameter or other tensor subclass (e.g. DTensor)";
+            }
+            return self.IneligibleReason(THPVariable_Unpack(obj.ptr()));
+          },
+          py::arg("tensor"))
       .def("reset", &TensorOffloader::Reset)
       .def("synchronize", &TensorOffloader::Synchronize)
       .def("stats", [](const TensorOffloader& self) { return StatsDict(self.stats()); })

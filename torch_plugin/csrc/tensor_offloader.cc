@@ -117,7 +117,10 @@ std::string TensorOffloader::IneligibleReason(const at::Tensor& tensor) const {
   }
   if (!tensor.has_storage()) return "tensor without storage";
   if (tensor.is_conj() || tensor.is_neg()) return "lazily conjugated/negated view";
-  if (tensor.is_leaf() && tensor.requires_grad()) return "parameter (leaf that requires grad)";
+  // A leaf that requires grad is held by its AccumulateGrad node until backward, so a copy
+  // would free nothing (e.g. the embedding output under enable_input_require_grads).
+  if (tensor.is_leaf() && tensor.requires_grad()) return "leaf that requires grad (a parameter, "
+                                                         "or held by autograd anyway)";
   if (!MatchesBackend(tensor)) {
     return config_.backend == Backend::kCuda ? "not a CUDA tensor" : "not a CPU tensor";
   }
@@ -192,6 +195,7 @@ void TensorOffloader::BeginGroup(const std::vector<at::Tensor>& inputs) {
   if (!group.ok()) ThrowStatus("starting a checkpoint group", group.status());
   group_ = *group;
   group_open_ = true;
+  WarnOnFirstFallback(engine);
 }
 
 void TensorOffloader::EndGroup() {
@@ -201,6 +205,8 @@ void TensorOffloader::EndGroup() {
   }
   std::lock_guard<std::mutex> lock(engine_mu_);
   group_open_ = false;
+  // keep_last == 0: the group's copies started as its tensors were packed.
+  if (engine_) WarnOnFirstFallback(engine_.get());
 }
 
 std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
@@ -258,6 +264,8 @@ std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
     auto offer = engine->OfferEntry(group, base + begin, static_cast<size_t>(end - begin),
                                     compute);
     if (!offer.ok()) ThrowStatus("offloading a saved tensor", offer.status());
+    // Outside checkpoint groups (scope "all") no EndGroup follows: look here.
+    if (!group_open_ || !offer->will_offload) WarnOnFirstFallback(engine);
     if (!offer->will_offload) {
       engine->Discard(offer->entry);
       return skip();
@@ -385,6 +393,21 @@ void TensorOffloader::ResetStats() {
 bool TensorOffloader::has_engine() const {
   std::lock_guard<std::mutex> lock(engine_mu_);
   return engine_ != nullptr;
+}
+
+void TensorOffloader::WarnOnFirstFallback(OffloadEngine* engine) {
+  // engine_mu_ held. One stats() copy per group until the first fallback, nothing after.
+  if (warned_fallback_) return;
+  const EngineStats stats = engine->stats();
+  if (stats.cap_fallbacks == 0) return;
+  warned_fallback_ = true;
+  TORCH_WARN("ckpt_offload: the host memory pool refused a block (refused by "
+             "host_memory_limit = ", stats.arena.byte_cap, " bytes: ",
+             stats.arena.cap_rejections, " time(s); host allocation failed: ",
+             stats.arena.backend_failures, " time(s)), so saved tensors stay on the device "
+             "instead of being offloaded. Results are unchanged; device memory use is higher. "
+             "stats()['cap_fallbacks'] counts them. Raise host_memory_limit if this is "
+             "unexpected. (Warned once per offloader.)");
 }
 
 void TensorOffloader::SetHostMemoryLimit(uint64_t bytes) {

@@ -149,6 +149,11 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   at::Device engine_device_{at::kCPU};
   bool group_open_ = false;
   GroupId group_ = 0;
+  // The first tensor kept on the device because the host arena refused memory (cap reached
+  // or host allocation failed) is reported with one warning per offloader; the checks stop
+  // once it was given. Guarded by engine_mu_.
+  bool warned_fallback_ = false;
+  void WarnOnFirstFallback(OffloadEngine* engine);
 
   // Tensors owned on the engine's behalf (guarded by tensors_mu_; taken inside engine calls).
   std::mutex tensors_mu_;

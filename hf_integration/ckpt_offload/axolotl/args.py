@@ -16,7 +16,6 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from ckpt_offload import OffloadConfig
-from ckpt_offload.config import parse_host_memory_limit
 
 # Config key -> OffloadConfig field.
 CONFIG_FIELDS = {
@@ -48,21 +47,18 @@ class ActivationOffloadArgs(BaseModel):
     ckpt_offload_backend: Optional[Literal["auto", "cuda", "host"]] = _described(
         "ckpt_offload: 'auto' offloads CUDA tensors; 'host' moves CPU tensors (for tests).")
 
-    @field_validator("ckpt_offload_keep_last", "ckpt_offload_prefetch_depth",
-                     "ckpt_offload_min_offload_bytes", mode="before")
+    @field_validator(*CONFIG_FIELDS, mode="before")
     @classmethod
-    def _non_negative_int(cls, value, info: ValidationInfo):
+    def _valid_for_ckpt_offload(cls, value, info: ValidationInfo):
+        # OffloadConfig's own checks, so the rules are the same everywhere; the message is
+        # reworded to name the config key.
         if value is None:
             return value
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"{info.field_name}: must be an int >= 0, got {value!r}")
-        return value
-
-    @field_validator("ckpt_offload_host_memory_limit", mode="before")
-    @classmethod
-    def _host_memory_limit(cls, value, info: ValidationInfo):
-        if value is not None:
-            parse_host_memory_limit(value, field=info.field_name)
+        try:
+            OffloadConfig(**{CONFIG_FIELDS[info.field_name]: value})
+        except ValueError as error:
+            reason = str(error).partition(": ")[2] or str(error)
+            raise ValueError(f"{info.field_name}: {reason}") from None
         return value
 
 

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Dict, Optional
 
 from transformers import TrainerCallback
@@ -16,8 +15,6 @@ from ckpt_offload import OffloadConfig
 from ckpt_offload.config import make_config
 from ckpt_offload.hf.arguments import OffloadArguments
 from ckpt_offload.hf.install import OffloadHandle, enable_activation_offload
-
-logger = logging.getLogger("ckpt_offload.hf")
 
 GIB = float(1 << 30)
 

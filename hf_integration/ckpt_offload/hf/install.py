@@ -4,8 +4,8 @@ What an installation changes, and `OffloadHandle.disable()` puts back exactly:
 - each checkpointing module's `_gradient_checkpointing_func` (set by
   `gradient_checkpointing_enable`) becomes a non-reentrant torch checkpoint that tags the
   layer's positional tensor inputs as one ckpt_offload group;
-- `model.forward` of the instance passed in is wrapped so that every forward run with grad
-  enabled (one training micro-step) happens inside the offload engine's context;
+- `model.forward` of the instance passed in is wrapped so that every training forward (grad
+  enabled, training mode: one micro-step) runs inside the offload engine's context;
 - when gradient checkpointing was off, it is turned on (and off again on disable).
 
 Only the forward runs inside the engine's context: saved-tensor hooks pack during forward,
@@ -175,9 +175,11 @@ class OffloadHandle:
 
         @functools.wraps(original)
         def forward(*args, **kwargs):
-            # Evaluation and generation (no grad) save nothing: they run untouched, and a
-            # context the user entered around the call is theirs to keep.
-            if not torch.is_grad_enabled() or ckpt_offload.current_engine() is not None:
+            # Only training forwards are engine steps: without grad nothing is saved, and in
+            # eval mode GradientCheckpointingLayer does not checkpoint. A context the user
+            # entered around the call is theirs to keep.
+            if not (torch.is_grad_enabled() and handle.model.training) or (
+                    ckpt_offload.current_engine() is not None):
                 return original(*args, **kwargs)
             handle._begin_step()
             with handle.engine:

@@ -1,0 +1,290 @@
+// NUMA placement of pinned host memory; see numa.h for the contract.
+//
+// Design note
+// - The node comes from sysfs, not from libnuma's topology calls or NVML: sysfs is where
+//   both of those read it, it needs no GPU library, and a test can point the reader at a
+//   fake tree. A single online node means there is nothing to choose; a GPU whose
+//   numa_node is -1 (common in VMs and on single-socket boards) has no preference.
+// - Slabs for cudaHostRegister are mapped without MAP_POPULATE: populating first would
+//   place every page by the default policy before mbind could say where they belong. The
+//   pages are faulted in after mbind with MADV_POPULATE_WRITE (one call; Linux 5.14+) or,
+//   on older kernels, by writing one byte per page.
+// - MPOL_PREFERRED rather than MPOL_BIND: a full node spills to its neighbours instead of
+//   failing the allocation (or waking the OOM killer), so placement never costs memory
+//   the pool could otherwise have had.
+#include "offload_core/numa.h"
+
+#include <fcntl.h>
+#include <numaif.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
+
+namespace ckpt_offload {
+namespace numa {
+namespace {
+
+constexpr size_t kBitsPerWord = sizeof(unsigned long) * CHAR_BIT;
+constexpr int kMaxNode = 1023;  // the kernel's largest MAX_NUMNODES is 1024
+constexpr size_t kMaxSysfsFileBytes = 4096;
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older headers lack it, older kernels say EINVAL
+#endif
+
+std::string ErrnoText(int err) { return std::strerror(err); }
+
+// The whole (small) file at `path`. Uses read(2) so a directory or an unreadable file is an
+// error with the system's text rather than an empty string.
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path) {
+  const int fd = open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    return absl::NotFoundError(absl::StrCat("cannot open ", path, ": ", ErrnoText(err)));
+  }
+  std::string text;
+  char buffer[512];
+  while (text.size() < kMaxSysfsFileBytes) {
+    const ssize_t n = read(fd, buffer, sizeof(buffer));
+    if (n == 0) break;
+    if (n < 0) {
+      const int err = errno;
+      if (err == EINTR) continue;
+      close(fd);
+      return absl::UnavailableError(absl::StrCat("cannot read ", path, ": ", ErrnoText(err)));
+    }
+    text.append(buffer, static_cast<size_t>(n));
+  }
+  close(fd);
+  return text;
+}
+
+bool ParseNodeId(absl::string_view text, int* node) {
+  if (text.empty() || !absl::ascii_isdigit(static_cast<unsigned char>(text[0]))) return false;
+  return absl::SimpleAtoi(text, node) && *node >= 0 && *node <= kMaxNode;
+}
+
+bool IsHex(absl::string_view text) {
+  return !text.empty() && std::all_of(text.begin(), text.end(), [](char c) {
+    return absl::ascii_isxdigit(static_cast<unsigned char>(c));
+  });
+}
+
+// A node mask with only `node` set, sized in whole words, and the `maxnode` argument the
+// mempolicy system calls expect for it (the kernel reads maxnode - 1 bits).
+std::vector<unsigned long> MaskOf(int node, unsigned long* maxnode) {
+  std::vector<unsigned long> mask(static_cast<size_t>(node) / kBitsPerWord + 1, 0);
+  mask[static_cast<size_t>(node) / kBitsPerWord] = 1UL << (static_cast<size_t>(node) % kBitsPerWord);
+  *maxnode = mask.size() * kBitsPerWord + 1;
+  return mask;
+}
+
+size_t PageSize() {
+  const long page = sysconf(_SC_PAGESIZE);
+  return page > 0 ? static_cast<size_t>(page) : 4096;
+}
+
+size_t RoundUpToPage(size_t bytes) {
+  const size_t page = PageSize();
+  return (bytes + page - 1) / page * page;
+}
+
+// Faults in every page of [ptr, ptr + bytes) for writing, under the range's policy.
+absl::Status Populate(void* ptr, size_t bytes) {
+  if (madvise(ptr, bytes, MADV_POPULATE_WRITE) == 0) return absl::OkStatus();
+  const int err = errno;
+  if (err != EINVAL) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "madvise(MADV_POPULATE_WRITE, ", bytes, " bytes) failed: ", ErrnoText(err)));
+  }
+  // A kernel before 5.14: a write to each page faults it in the same way.
+  volatile char* bytes_ptr = static_cast<volatile char*>(ptr);
+  const size_t page = PageSize();
+  for (size_t offset = 0; offset < bytes; offset += page) bytes_ptr[offset] = 0;
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<int>> ParseNodeList(absl::string_view text) {
+  const absl::string_view list = absl::StripAsciiWhitespace(text);
+  if (list.empty()) return absl::InvalidArgumentError("empty node list");
+  std::vector<int> nodes;
+  for (absl::string_view item : absl::StrSplit(list, ',')) {
+    const std::pair<absl::string_view, absl::string_view> range =
+        absl::StrSplit(item, absl::MaxSplits('-', 1));
+    const bool is_range = absl::StrContains(item, '-');
+    int first = 0;
+    bool ok = ParseNodeId(range.first, &first);
+    int last = first;
+    if (ok && is_range) ok = ParseNodeId(range.second, &last) && first <= last;
+    if (!ok) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("malformed node list '", list, "' (at '", item, "')"));
+    }
+    for (int node = first; node <= last; ++node) nodes.push_back(node);
+  }
+  std::sort(nodes.begin(), nodes.end());
+  nodes.erase(std::unique(nodes.begin(), nodes.end()), nodes.end());
+  return nodes;
+}
+
+absl::StatusOr<int> ParseNumaNodeFile(absl::string_view text) {
+  const absl::string_view value = absl::StripAsciiWhitespace(text);
+  int node = 0;
+  if (value == "-1") return -1;
+  if (!ParseNodeId(value, &node)) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed numa_node '", value, "'"));
+  }
+  return node;
+}
+
+absl::StatusOr<std::string> NormalizePciBusId(absl::string_view bus_id) {
+  const std::string id = absl::AsciiStrToLower(absl::StripAsciiWhitespace(bus_id));
+  const std::vector<absl::string_view> parts = absl::StrSplit(id, ':');
+  const std::pair<absl::string_view, absl::string_view> slot =
+      parts.size() == 3 ? absl::StrSplit(parts[2], absl::MaxSplits('.', 1))
+                        : std::pair<absl::string_view, absl::string_view>();
+  if (parts.size() != 3 || !IsHex(parts[0]) || !IsHex(parts[1]) || !IsHex(slot.first) ||
+      !IsHex(slot.second) || parts[2].find('.') == absl::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("malformed PCI bus id '", bus_id, "' (want domain:bus:device.function)"));
+  }
+  absl::string_view domain = parts[0];
+  while (domain.size() > 4 && domain[0] == '0') domain.remove_prefix(1);
+  return absl::StrCat(domain, ":", parts[1], ":", parts[2]);
+}
+
+NumaChoice ChooseNumaNode(absl::string_view pci_bus_id, absl::string_view sysfs_root) {
+  auto none = [](std::string why) {
+    return NumaChoice{std::nullopt, absl::StrCat("no NUMA placement: ", why)};
+  };
+  const std::string online_path = absl::StrCat(sysfs_root, "/devices/system/node/online");
+  absl::StatusOr<std::string> online_text = ReadSmallFile(online_path);
+  if (!online_text.ok()) return none(std::string(online_text.status().message()));
+  absl::StatusOr<std::vector<int>> online = ParseNodeList(*online_text);
+  if (!online.ok()) return none(absl::StrCat(online_path, ": ", online.status().message()));
+  const std::string online_list = absl::StrJoin(*online, ",");
+  if (online->size() == 1) {
+    return none(absl::StrCat("single NUMA node (node ", online_list, ")"));
+  }
+
+  absl::StatusOr<std::string> id = NormalizePciBusId(pci_bus_id);
+  if (!id.ok()) return none(std::string(id.status().message()));
+  const std::string node_path = absl::StrCat(sysfs_root, "/bus/pci/devices/", *id, "/numa_node");
+  absl::StatusOr<std::string> node_text = ReadSmallFile(node_path);
+  if (!node_text.ok()) return none(std::string(node_text.status().message()));
+  absl::StatusOr<int> node = ParseNumaNodeFile(*node_text);
+  if (!node.ok()) return none(absl::StrCat(node_path, ": ", node.status().message()));
+  if (*node < 0) {
+    return none(absl::StrCat("the system reports no NUMA node for GPU ", *id,
+                             " (numa_node -1)"));
+  }
+  if (!std::binary_search(online->begin(), online->end(), *node)) {
+    return none(absl::StrCat("GPU ", *id, " is on node ", *node, ", which is not online (nodes ",
+                             online_list, ")"));
+  }
+  return NumaChoice{*node, absl::StrCat("node ", *node, " (GPU ", *id, "; nodes ", online_list,
+                                        " online)")};
+}
+
+absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node,
+                                    Placement* placement) {
+  Placement outcome;
+  const size_t mapped = RoundUpToPage(bytes == 0 ? 1 : bytes);
+  void* ptr = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (ptr == MAP_FAILED) {
+    const int err = errno;
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap(", mapped, " bytes) failed: ", ErrnoText(err)));
+  }
+  if (!node.has_value()) {
+    outcome.reason = "no node requested";
+  } else if (*node < 0 || *node > kMaxNode) {
+    outcome.reason = absl::StrCat("node ", *node, " is out of range");
+  } else {
+    unsigned long maxnode = 0;
+    const std::vector<unsigned long> mask = MaskOf(*node, &maxnode);
+    if (mbind(ptr, mapped, MPOL_PREFERRED, mask.data(), maxnode, 0) == 0) {
+      outcome.placed = true;
+    } else {
+      const int err = errno;
+      outcome.reason = absl::StrCat("mbind(MPOL_PREFERRED, node ", *node,
+                                    ") failed: ", ErrnoText(err));
+    }
+  }
+  if (absl::Status populated = Populate(ptr, mapped); !populated.ok()) {
+    munmap(ptr, mapped);
+    return populated;
+  }
+  if (placement != nullptr) *placement = std::move(outcome);
+  return ptr;
+}
+
+void UnmapHostMemory(void* ptr, size_t bytes) {
+  if (ptr == nullptr) return;
+  munmap(ptr, RoundUpToPage(bytes == 0 ? 1 : bytes));
+}
+
+ScopedPreferredNode::ScopedPreferredNode(std::optional<int> node) {
+  if (!node.has_value()) {
+    placement_.reason = "no node requested";
+    return;
+  }
+  if (*node < 0 || *node > kMaxNode) {
+    placement_.reason = absl::StrCat("node ", *node, " is out of range");
+    return;
+  }
+  // Saved first: a policy that cannot be restored is not changed.
+  if (get_mempolicy(&saved_mode_, saved_mask_, kMaskWords * kBitsPerWord + 1, nullptr, 0) != 0) {
+    const int err = errno;
+    placement_.reason = absl::StrCat("get_mempolicy failed: ", ErrnoText(err));
+    return;
+  }
+  unsigned long maxnode = 0;
+  const std::vector<unsigned long> mask = MaskOf(*node, &maxnode);
+  if (set_mempolicy(MPOL_PREFERRED, mask.data(), maxnode) != 0) {
+    const int err = errno;
+    placement_.reason = absl::StrCat("set_mempolicy(MPOL_PREFERRED, node ", *node,
+                                     ") failed: ", ErrnoText(err));
+    return;
+  }
+  placement_.placed = true;
+  restore_ = true;
+}
+
+ScopedPreferredNode::~ScopedPreferredNode() {
+  if (!restore_) return;
+  // The saved mode carries its flags, and its mask is empty for MPOL_DEFAULT and
+  // MPOL_LOCAL, as set_mempolicy wants it back.
+  (void)set_mempolicy(saved_mode_, saved_mask_, kMaskWords * kBitsPerWord + 1);
+}
+
+absl::StatusOr<int> NodeOfAddress(const void* address) {
+  int node = -1;
+  if (get_mempolicy(&node, nullptr, 0, const_cast<void*>(address),
+                    MPOL_F_NODE | MPOL_F_ADDR) != 0) {
+    const int err = errno;
+    return absl::UnavailableError(absl::StrCat("get_mempolicy(MPOL_F_NODE | MPOL_F_ADDR) failed: ",
+                                               ErrnoText(err)));
+  }
+  return node;
+}
+
+}  // namespace numa
+}  // namespace ckpt_offload

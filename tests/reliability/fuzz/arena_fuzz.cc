@@ -1,0 +1,345 @@
+// Fuzz target: HostArena under arbitrary sequences of Allocate / Free / SetByteCap /
+// ReleaseFreeSlabs / ResetPeak / backend failures / full resets, with arbitrary options.
+//
+// Checked after every operation (host_arena.h's contract):
+// - a block is aligned to kHostBlockAlignment, holds at least the requested bytes (and, as
+//   this implementation rounds only to the alignment, less than requested + alignment), lies
+//   inside one slab the backend handed out, and overlaps no other live block; its bytes
+//   survive until it is freed (a pattern is written on Allocate and checked on Free);
+// - accounting: live bytes/blocks equal the sum over live blocks, reserved bytes equal the
+//   backend's outstanding slabs, peak >= live, allocation and backend counters match;
+// - the cap: the pool only grows up to the cap; a refused request changes nothing; after
+//   SetByteCap/ReleaseFreeSlabs no completely free slab is kept above the cap;
+// - every slab goes back to the backend, exactly once, by the time the arena is destroyed.
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "offload_core/host_arena.h"
+#include "tests/reliability/fuzz/fuzz_input.h"
+
+namespace ckpt_offload::fuzz {
+namespace {
+
+// The backend's view: every slab handed out and not yet returned.
+struct BackendLedger {
+  std::map<uintptr_t, size_t> slabs;
+  int64_t allocations = 0;
+  int64_t frees = 0;
+  int fail_next = 0;  // the next `fail_next` Allocate calls fail
+};
+
+class TrackingBackend : public HostMemoryBackend {
+ public:
+  explicit TrackingBackend(BackendLedger* ledger) : ledger_(ledger) {}
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    if (ledger_->fail_next > 0) {
+      --ledger_->fail_next;
+      return absl::ResourceExhaustedError("tracking backend: refused (fuzzed failure)");
+    }
+    FUZZ_CHECK(bytes > 0 && bytes % kHostBlockAlignment == 0, "slab of %zu bytes", bytes);
+    if (bytes > (size_t{64} << 20)) {
+      // Like std::aligned_alloc running out: the arena asks (an uncapped arena has no other
+      // limit) and the backend refuses.
+      return absl::ResourceExhaustedError("tracking backend: slab larger than 64 MiB");
+    }
+    void* ptr = std::aligned_alloc(kHostBlockAlignment, bytes);
+    FUZZ_CHECK(ptr != nullptr, "aligned_alloc(%zu)", bytes);
+    ledger_->slabs.emplace(reinterpret_cast<uintptr_t>(ptr), bytes);
+    ++ledger_->allocations;
+    return ptr;
+  }
+  void Free(void* ptr, size_t bytes) override {
+    auto it = ledger_->slabs.find(reinterpret_cast<uintptr_t>(ptr));
+    FUZZ_CHECK(it != ledger_->slabs.end(), "Free of a slab never handed out (%p)", ptr);
+    FUZZ_CHECK(it->second == bytes, "slab freed with %zu bytes, allocated with %zu", bytes,
+               it->second);
+    ledger_->slabs.erase(it);
+    ++ledger_->frees;
+    std::free(ptr);
+  }
+  const char* name() const override { return "tracking"; }
+
+ private:
+  BackendLedger* ledger_;
+};
+
+struct Live {
+  size_t bytes;      // as returned
+  size_t requested;
+  uint8_t tag;
+};
+
+uint8_t PatternAt(uint8_t tag, size_t i) { return static_cast<uint8_t>(tag * 31 + i * 7 + (i >> 8)); }
+
+// Writes (or checks) the pattern on every byte of small blocks, and on the ends plus one byte
+// per 4 KiB of large ones (keeps executions fast).
+template <typename Fn>
+void ForPatternBytes(size_t bytes, Fn fn) {
+  if (bytes <= 4096) {
+    for (size_t i = 0; i < bytes; ++i) fn(i);
+    return;
+  }
+  for (size_t i = 0; i < 64; ++i) fn(i);
+  for (size_t i = 4096; i < bytes - 64; i += 4096) fn(i);
+  for (size_t i = bytes - 64; i < bytes; ++i) fn(i);
+}
+
+class Harness {
+ public:
+  Harness(ArenaOptions options) : options_(options) {
+    arena_ = std::make_unique<HostArena>(std::make_unique<TrackingBackend>(&ledger_), options);
+    cap_ = options.byte_cap;
+  }
+
+  ~Harness() {
+    for (auto& [start, live] : live_) Check(start, live);
+    for (auto& [start, live] : live_) arena_->Free(HostBlock{reinterpret_cast<void*>(start), live.bytes});
+    live_.clear();
+    arena_.reset();
+    FUZZ_CHECK(ledger_.slabs.empty(), "%zu slabs never returned to the backend",
+               ledger_.slabs.size());
+    FUZZ_CHECK(ledger_.allocations == ledger_.frees, "%lld allocations, %lld frees",
+               static_cast<long long>(ledger_.allocations), static_cast<long long>(ledger_.frees));
+  }
+
+  void Allocate(size_t requested) {
+    const ArenaStats before = arena_->stats();
+    const auto slabs_before = ledger_.slabs;
+    absl::StatusOr<HostBlock> block = arena_->Allocate(requested);
+    const ArenaStats after = arena_->stats();
+    if (!block.ok()) {
+      FUZZ_CHECK(block.status().code() == absl::StatusCode::kResourceExhausted,
+                 "unexpected error code: %s", block.status().ToString().c_str());
+      FUZZ_CHECK(after.live_bytes == before.live_bytes, "a refused request changed live bytes");
+      if (after.cap_rejections == before.cap_rejections + 1) {
+        // Refused by the cap: the pool is left exactly as it was.
+        FUZZ_CHECK(after.backend_failures == before.backend_failures, "counted twice");
+        FUZZ_CHECK(ledger_.slabs == slabs_before, "a cap refusal changed the slabs");
+      } else {
+        // Refused by the backend: free slabs may have been given back to make room (the
+        // arena releases before it asks), but the pool never grows.
+        FUZZ_CHECK(after.backend_failures == before.backend_failures + 1,
+                   "a refusal was not counted");
+        FUZZ_CHECK(after.reserved_bytes <= before.reserved_bytes, "a refused request grew the pool");
+      }
+      VerifyAccounting();
+      return;
+    }
+    const uintptr_t start = reinterpret_cast<uintptr_t>(block->data);
+    const size_t need = std::max<size_t>(requested, 1);
+    FUZZ_CHECK(start % kHostBlockAlignment == 0, "block at %p is misaligned", block->data);
+    FUZZ_CHECK(block->bytes >= need, "block of %zu bytes for a request of %zu", block->bytes,
+               requested);
+    FUZZ_CHECK(block->bytes - need < kHostBlockAlignment,
+               "block of %zu bytes for a request of %zu rounds beyond the alignment",
+               block->bytes, requested);
+    // Inside one slab.
+    auto slab = ledger_.slabs.upper_bound(start);
+    FUZZ_CHECK(slab != ledger_.slabs.begin(), "block at %p below every slab", block->data);
+    --slab;
+    FUZZ_CHECK(start + block->bytes <= slab->first + slab->second,
+               "block [%p, +%zu) crosses the end of its slab", block->data, block->bytes);
+    // Overlaps no live block.
+    auto next = live_.lower_bound(start);
+    if (next != live_.end()) {
+      FUZZ_CHECK(start + block->bytes <= next->first, "block at %p overlaps the next live block",
+                 block->data);
+    }
+    if (next != live_.begin()) {
+      auto prev = std::prev(next);
+      FUZZ_CHECK(prev->first + prev->second.bytes <= start,
+                 "block at %p overlaps the previous live block", block->data);
+    }
+    // Growth stays under the cap.
+    if (after.reserved_bytes > before.reserved_bytes) {
+      FUZZ_CHECK(after.reserved_bytes <= cap_, "reserved %zu above the cap %zu after growth",
+                 after.reserved_bytes, cap_);
+    }
+    const uint8_t tag = static_cast<uint8_t>(++tags_);
+    auto* bytes = static_cast<uint8_t*>(block->data);
+    ForPatternBytes(block->bytes, [&](size_t i) { bytes[i] = PatternAt(tag, i); });
+    live_.emplace(start, Live{block->bytes, requested, tag});
+    ++allocations_;
+    VerifyAccounting();
+  }
+
+  void Free(uint32_t pick) {
+    if (live_.empty()) return;
+    auto it = std::next(live_.begin(), pick % live_.size());
+    Check(it->first, it->second);
+    arena_->Free(HostBlock{reinterpret_cast<void*>(it->first), it->second.bytes});
+    live_.erase(it);
+    VerifyAccounting();
+  }
+
+  void SetCap(size_t cap) {
+    arena_->SetByteCap(cap);
+    cap_ = cap;
+    FUZZ_CHECK(arena_->stats().byte_cap == cap, "byte_cap not updated");
+    if (arena_->stats().reserved_bytes > cap) NoFreeSlabLeft("SetByteCap above the cap");
+    VerifyAccounting();
+  }
+
+  void ReleaseFreeSlabs() {
+    arena_->ReleaseFreeSlabs();
+    NoFreeSlabLeft("ReleaseFreeSlabs");
+    VerifyAccounting();
+  }
+
+  void ResetPeak() {
+    arena_->ResetPeak();
+    const ArenaStats stats = arena_->stats();
+    FUZZ_CHECK(stats.peak_live_bytes == stats.live_bytes, "peak %zu != live %zu after ResetPeak",
+               stats.peak_live_bytes, stats.live_bytes);
+  }
+
+  void FailBackend(int count) { ledger_.fail_next = count; }
+
+  // Everything freed, every slab released: the pool is empty again.
+  void Reset() {
+    while (!live_.empty()) Free(0);
+    arena_->ReleaseFreeSlabs();
+    FUZZ_CHECK(ledger_.slabs.empty(), "slabs left after freeing everything and releasing");
+    FUZZ_CHECK(arena_->stats().reserved_bytes == 0, "reserved bytes left after a reset");
+    VerifyAccounting();
+  }
+
+  void FreeNull() {
+    const ArenaStats before = arena_->stats();
+    arena_->Free(HostBlock{});
+    FUZZ_CHECK(arena_->stats().live_bytes == before.live_bytes, "Free(null) changed live bytes");
+  }
+
+ private:
+  void Check(uintptr_t start, const Live& live) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(start);
+    ForPatternBytes(live.bytes, [&](size_t i) {
+      FUZZ_CHECK(bytes[i] == PatternAt(live.tag, i),
+                 "block at %p (%zu bytes) changed at byte %zu while live", bytes, live.bytes, i);
+    });
+  }
+
+  // Every slab still reserved holds at least one live block.
+  void NoFreeSlabLeft(const char* after) {
+    for (const auto& [base, size] : ledger_.slabs) {
+      auto it = live_.lower_bound(base);
+      FUZZ_CHECK(it != live_.end() && it->first < base + size,
+                 "%s: a completely free slab of %zu bytes is kept (reserved %zu, cap %zu)", after,
+                 size, arena_->stats().reserved_bytes, cap_);
+    }
+  }
+
+  void VerifyAccounting() {
+    const ArenaStats stats = arena_->stats();
+    size_t live_bytes = 0;
+    for (const auto& [start, live] : live_) live_bytes += live.bytes;
+    size_t reserved = 0;
+    for (const auto& [base, size] : ledger_.slabs) reserved += size;
+    FUZZ_CHECK(stats.live_bytes == live_bytes, "live bytes %zu, blocks sum to %zu",
+               stats.live_bytes, live_bytes);
+    FUZZ_CHECK(stats.live_blocks == static_cast<int64_t>(live_.size()), "live blocks %lld vs %zu",
+               static_cast<long long>(stats.live_blocks), live_.size());
+    FUZZ_CHECK(stats.reserved_bytes == reserved, "reserved %zu, backend holds %zu",
+               stats.reserved_bytes, reserved);
+    FUZZ_CHECK(stats.live_bytes <= stats.reserved_bytes, "live above reserved");
+    FUZZ_CHECK(stats.peak_live_bytes >= stats.live_bytes, "peak below live");
+    FUZZ_CHECK(stats.allocations == allocations_, "allocations %lld vs %lld",
+               static_cast<long long>(stats.allocations), static_cast<long long>(allocations_));
+    FUZZ_CHECK(stats.backend_allocations == ledger_.allocations &&
+                   stats.backend_frees == ledger_.frees,
+               "backend counters differ from the backend's");
+  }
+
+  ArenaOptions options_;
+  BackendLedger ledger_;
+  std::unique_ptr<HostArena> arena_;
+  std::map<uintptr_t, Live> live_;
+  size_t cap_;
+  int64_t allocations_ = 0;
+  unsigned tags_ = 0;
+};
+
+size_t Size(Input& in) {
+  switch (in.Below(16)) {
+    case 0:
+      return 0;
+    case 1:
+      return kHostBlockAlignment * (1 + in.Below(64));  // exact multiples
+    case 2:
+      return (size_t{1} << 20) + in.U16() * 16;  // around 1 MiB (large class for small mins)
+    case 3:
+      return in.Below(1536) << 10;  // up to 1.5 MiB
+    case 4:
+      // Beyond any address space / cap: must be refused without overflow.
+      return std::numeric_limits<size_t>::max() - in.Below(1024);
+    default:
+      return 1 + in.U16() % 16384;
+  }
+}
+
+size_t Cap(Input& in) {
+  switch (in.Below(6)) {
+    case 0:
+      return std::numeric_limits<size_t>::max();
+    case 1:
+      return 0;
+    case 2:
+      return in.U32() % (size_t{8} << 20);  // unaligned caps too
+    default:
+      return kHostBlockAlignment * in.U16();  // up to 16 MiB
+  }
+}
+
+}  // namespace
+}  // namespace ckpt_offload::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace ckpt_offload;
+  using namespace ckpt_offload::fuzz;
+  Input in(data, size);
+  ArenaOptions options;
+  // Odd values too: the arena rounds granularity and the small-slab size to the alignment.
+  static constexpr size_t kGranularities[] = {1, 256, 4096, 65536, size_t{1} << 20, 3000};
+  static constexpr size_t kMinSlabs[] = {0, 256, 8192, 65536, size_t{1} << 20, 5000};
+  options.slab_granularity = kGranularities[in.Below(6)];
+  options.min_slab_bytes = kMinSlabs[in.Below(6)];
+  options.byte_cap = Cap(in);
+  Harness harness(options);
+  for (int op = 0; op < 2000 && !in.empty(); ++op) {
+    switch (in.Below(16)) {
+      case 0: case 1: case 2: case 3: case 4: case 5:
+        harness.Allocate(Size(in));
+        break;
+      case 6: case 7: case 8: case 9:
+        harness.Free(in.U16());
+        break;
+      case 10:
+        harness.SetCap(Cap(in));
+        break;
+      case 11:
+        harness.ReleaseFreeSlabs();
+        break;
+      case 12:
+        harness.ResetPeak();
+        break;
+      case 13:
+        harness.FailBackend(1 + in.Below(3));
+        break;
+      case 14:
+        harness.Reset();
+        break;
+      case 15:
+        harness.FreeNull();
+        break;
+    }
+  }
+  return 0;
+}
