@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One GPU-machine call: the GPU suite and/or benchmarks, logs packed into $OUT/gpu_logs.tgz
+# (the device tool returns at most 8 files). Usage on the GPU machine, from the repo root:
+#   CKPT_OFFLOAD_COMMIT=<hash> bash scripts/gpu_call.sh "suite" "bench:<gpu_bench args>" ...
+set -uo pipefail
+LOGS=/tmp/gpu_logs
+rm -rf "$LOGS" && mkdir -p "$LOGS"
+export CKPT_OFFLOAD_PEERS_DIR="$(pwd)/.peers" PYTHONUNBUFFERED=1
+status=0
+installed=0
+for job in "$@"; do
+  case "$job" in
+    suite)
+      bash tests/gpu/run_gpu_suite.sh "$LOGS/suite" || status=1
+      installed=1 ;;
+    bench:*)
+      if [ "$installed" = 0 ]; then
+        CKPT_OFFLOAD_ABSL_PREFIX="$(pwd)/.gpu_deps/absl" MAX_JOBS=16 \
+          python3 -m pip install --no-build-isolation --no-deps -q . > "$LOGS/pip_install.log" 2>&1 || { tail -30 "$LOGS/pip_install.log"; status=1; }
+        installed=1
+      fi
+      mkdir -p "$LOGS/bench"
+      # shellcheck disable=SC2086
+      (cd /tmp && python3 "$OLDPWD/benchmarks/gpu_bench.py" ${job#bench:} --out "$LOGS/bench") \
+        2>&1 | tee -a "$LOGS/bench/bench.log" || status=1 ;;
+    *) echo "unknown job $job"; status=1 ;;
+  esac
+done
+tar czf "$OUT/gpu_logs.tgz" -C "$LOGS" .
+exit $status
