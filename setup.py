@@ -63,7 +63,8 @@ def extension():
         # A copy of Debian's abseil brought to a machine without it (scripts/gpu_deps.sh).
         kwargs["include_dirs"].append(f"{prefix}/include")
         kwargs["library_dirs"] = [f"{prefix}/lib"]
-        kwargs["extra_link_args"] = [f"-Wl,-rpath,{prefix}/lib"]
+        # RPATH, not RUNPATH: abseil's libraries find each other through it too.
+        kwargs["extra_link_args"] = [f"-Wl,-rpath,{prefix}/lib", "-Wl,--disable-new-dtags"]
     if with_cuda:
         return cpp_extension.CUDAExtension(**kwargs)
     return cpp_extension.CppExtension(**kwargs)

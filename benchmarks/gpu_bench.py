@@ -318,8 +318,8 @@ def main(argv=None):
             print(f"== {label} {mode.name}", flush=True)
             try:
                 result = run_mode(model, shape, seqs, mode, warmup, history)
-            except torch.cuda.OutOfMemoryError as error:
-                result = dict(mode=mode.name, error=f"OOM: {error}".splitlines()[0])
+            except Exception as error:  # noqa: BLE001 - one mode failing must not lose the rest
+                result = dict(mode=mode.name, error=f"{type(error).__name__}: {error}".splitlines()[0])
                 gc.collect()
                 torch.cuda.empty_cache()
             result.update(model=shape, seq=seq)
@@ -331,17 +331,21 @@ def main(argv=None):
             print(json.dumps({k: v for k, v in result.items() if k not in ("losses",)}),
                   flush=True)
             runs.append(result)
+            write_report(args, runs)  # after every run: a later failure keeps what ran
         del model
         gc.collect()
         torch.cuda.empty_cache()
+    print(markdown_table(write_report(args, runs)))
+    return 0
+
+
+def write_report(args, runs) -> Dict:
     report = dict(meta=meta(), runs=runs)
-    json_path = os.path.join(args.out, f"{args.tag}.json")
-    with open(json_path, "w") as f:
+    with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
         json.dump(report, f, indent=1)
     with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
         f.write(markdown_table(report))
-    print(markdown_table(report))
-    return 0
+    return report
 
 
 def markdown_table(report) -> str:

@@ -8,17 +8,25 @@ rm -rf "$LOGS" && mkdir -p "$LOGS"
 export CKPT_OFFLOAD_PEERS_DIR="$(pwd)/.peers" PYTHONUNBUFFERED=1
 status=0
 installed=0
+install_once() {
+  [ "$installed" = 1 ] && return
+  CKPT_OFFLOAD_ABSL_PREFIX="$(pwd)/.gpu_deps/absl" MAX_JOBS=16 \
+    python3 -m pip install --no-build-isolation --no-deps -q . > "$LOGS/pip_install.log" 2>&1 \
+    || { tail -30 "$LOGS/pip_install.log"; status=1; }
+  installed=1
+}
 for job in "$@"; do
   case "$job" in
     suite)
       bash tests/gpu/run_gpu_suite.sh "$LOGS/suite" || status=1
       installed=1 ;;
+    pytest:*)
+      install_once
+      # shellcheck disable=SC2086
+      (cd tests && python3 -m pytest -q -s -p no:cacheprovider ${job#pytest:}) 2>&1 \
+        | tee -a "$LOGS/pytest.log" || status=1 ;;
     bench:*)
-      if [ "$installed" = 0 ]; then
-        CKPT_OFFLOAD_ABSL_PREFIX="$(pwd)/.gpu_deps/absl" MAX_JOBS=16 \
-          python3 -m pip install --no-build-isolation --no-deps -q . > "$LOGS/pip_install.log" 2>&1 || { tail -30 "$LOGS/pip_install.log"; status=1; }
-        installed=1
-      fi
+      install_once
       mkdir -p "$LOGS/bench"
       # shellcheck disable=SC2086
       (cd /tmp && python3 "$OLDPWD/benchmarks/gpu_bench.py" ${job#bench:} --out "$LOGS/bench") \

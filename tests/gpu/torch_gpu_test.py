@@ -5,6 +5,7 @@ Run on the GPU machine after `pip install --no-build-isolation .`:
     python -m pytest tests/gpu/torch_gpu_test.py
 """
 
+import contextlib
 import os
 import sys
 
@@ -101,11 +102,20 @@ class WideStack(nn.Module):
 
 
 def peak_step_bytes(model, x, call, engine_kwargs=None):
+    """Peak memory of one forward+backward above what was allocated before it (the model
+    is frozen, so the step allocates activations and their gradients only)."""
+    x.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    step(model, x, call, engine_kwargs)
-    return torch.cuda.max_memory_allocated() - before
+    context = (ckpt_offload.offload_activations(**engine_kwargs) if engine_kwargs
+               else contextlib.nullcontext())
+    with context:
+        model(x, call).backward()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    x.grad = None
+    return peak
 
 
 @pytest.mark.parametrize("prefetch_depth", [0, 1])
@@ -115,8 +125,8 @@ def test_peak_memory_saving_of_a_16_layer_model(prefetch_depth):
     so it does not count as saved."""
     layers, keep_last = 16, 1
     torch.manual_seed(0)
-    model = WideStack(layers, 4096).to(torch.bfloat16).cuda()
-    x = torch.randn(2, 8192, 4096, device="cuda", dtype=torch.bfloat16)
+    model = WideStack(layers, 4096).to(torch.bfloat16).cuda().requires_grad_(False)
+    x = torch.randn(2, 8192, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     hidden_bytes = x.numel() * x.element_size()
     kwargs = dict(keep_last=keep_last, prefetch_depth=prefetch_depth, **CUDA)
     for _ in range(2):  # warm the allocator and the host pool

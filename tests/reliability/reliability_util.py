@@ -46,19 +46,19 @@ def grads(model) -> Dict[str, torch.Tensor]:
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
-def reference_step(model, x):
+def reference_step(model, x, layer_call=plain_checkpoint):
     """Loss and gradients of plain non-reentrant checkpointing (no offload)."""
     model.zero_grad(set_to_none=True)
-    loss = model(x, plain_checkpoint)
+    loss = model(x, layer_call)
     loss.backward()
     return loss.detach(), grads(model)
 
 
-def offload_step(model, x, engine_kwargs):
+def offload_step(model, x, engine_kwargs, layer_call=None):
     """Loss, gradients and the engine of one step with offload."""
     model.zero_grad(set_to_none=True)
     with ckpt_offload.offload_activations(**engine_kwargs) as engine:
-        loss = model(x, ckpt_offload.checkpoint)
+        loss = model(x, layer_call or ckpt_offload.checkpoint)
         loss.backward()
     return loss.detach(), grads(model), engine
 
