@@ -92,8 +92,13 @@ def train(offload, args, on_gpu):
             model=model, args=training_args,
             train_dataset=TokenDataset(1024, args.seq, args.steps * args.batch),
             callbacks=callbacks)
+        trainer.remove_callback(transformers.trainer_callback.PrinterCallback)  # quiet logs
         trainer.train()
-    stats = offload_callback.last_step_stats() if offload_callback else {}
+    stats = {}
+    if offload_callback is not None:
+        totals = offload_callback.final_totals  # summed over micro-steps, set at train end
+        steps = max(1, totals.get("micro_steps", 1))
+        stats = {key: totals.get(key, 0) / steps for key in ("offloaded_bytes", "restored_bytes")}
     return meter, stats
 
 

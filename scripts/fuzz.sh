@@ -22,7 +22,8 @@ CXX="${CXX:-clang++-14}"
 
 declare -A SOURCES=(
   [arena_fuzz]="offload_core/host_arena.cc offload_core/fault_injection.cc"
-  [engine_roundtrip_fuzz]="offload_core/host_arena.cc offload_core/fault_injection.cc offload_core/host_device.cc offload_core/engine.cc"
+  [engine_roundtrip_fuzz]="offload_core/host_arena.cc offload_core/fault_injection.cc
+                           offload_core/host_device.cc offload_core/engine.cc"
 )
 ALL_TARGETS=(arena_fuzz engine_roundtrip_fuzz)
 TARGETS=("$@")

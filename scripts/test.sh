@@ -6,3 +6,4 @@ bash "$ROOT/scripts/setup.sh"
 source "$ROOT/scripts/env.sh"
 cd "$ROOT"
 bazel test //... "$@"
+bash "$ROOT/scripts/fuzz.sh"  # libFuzzer targets, FUZZ_SECONDS each (default 60)

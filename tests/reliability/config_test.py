@@ -207,7 +207,8 @@ def test_checkpoint_with_tensors_only_as_keywords_runs_and_offloads_nothing():
         return (h @ weight).tanh()
 
     expected = torch.autograd.grad(fn(h=x * 2).sum(), (x, weight))
-    with ckpt_offload.offload_activations(**fresh_host_config(keep_last=0, scope="checkpoint_inputs")) as engine:
+    settings = fresh_host_config(keep_last=0, scope="checkpoint_inputs")
+    with ckpt_offload.offload_activations(**settings) as engine:
         out = ckpt_offload.checkpoint(fn, h=x * 2)
         got = torch.autograd.grad(out.sum(), (x, weight))
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
@@ -215,7 +216,8 @@ def test_checkpoint_with_tensors_only_as_keywords_runs_and_offloads_nothing():
 
 
 def test_checkpoint_asked_to_be_reentrant_is_an_error():
-    with pytest.raises(ValueError, match="^use_reentrant: ckpt_offload.checkpoint is always non-reentrant"):
+    with pytest.raises(ValueError,
+                       match="^use_reentrant: ckpt_offload.checkpoint is always non-reentrant"):
         ckpt_offload.checkpoint(lambda t: t, torch.ones(1), use_reentrant=True)
 
 

@@ -13,6 +13,7 @@ outcome as a table, prints it, and checks it against tests/reliability/FAULT_MAT
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import gc
@@ -131,7 +132,8 @@ def plain_scenario(fault: str, injected_at: str, *, keep_last: int = 1, prefetch
         model.zero_grad(set_to_none=True)
         engine = ckpt_offload.offload_activations(**settings)
         try:
-            with (arm() if arm and injected_at == "forward, through the clean-up" else _nothing()):
+            through_cleanup = arm and injected_at == "forward, through the clean-up"
+            with (arm() if through_cleanup else contextlib.nullcontext()):
                 with engine:
                     if arm and injected_at == "forward":
                         with arm():
@@ -145,7 +147,7 @@ def plain_scenario(fault: str, injected_at: str, *, keep_last: int = 1, prefetch
                         loss.backward()
             if injected_at == "backward after the context":
                 # The HF integration's shape: forward inside the context, backward after it.
-                with (arm() if arm else _nothing()):
+                with (arm() if arm else contextlib.nullcontext()):
                     loss.backward()
         except BaseException as caught:  # KeyboardInterrupt included
             error = caught
@@ -187,14 +189,6 @@ def plain_scenario(fault: str, injected_at: str, *, keep_last: int = 1, prefetch
     # Details the matrix does not show, for the per-scenario tests.
     return result, dict(error_text=error_text, stats=stats, next_stats=next_stats,
                          live_at_error=live_at_error)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _fault_label(fault, count, host_memory_limit, layer_call, two_inputs):

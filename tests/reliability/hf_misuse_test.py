@@ -72,7 +72,8 @@ def test_bad_settings_raise_before_anything_is_installed(overrides, field, accep
 def test_model_without_checkpointing_layers_is_rejected_untouched():
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
     before = snapshot(model)
-    with pytest.raises(ValueError, match="contains no transformers.modeling_layers.GradientCheckpointingLayer"):
+    with pytest.raises(ValueError,
+                       match="contains no transformers.modeling_layers.GradientCheckpointingLayer"):
         enable_activation_offload(model, **fresh_host_config())
     assert_untouched(model, before)
     callback = ActivationOffloadCallback(**fresh_host_config())
@@ -118,7 +119,8 @@ def test_failure_midway_through_installation_leaves_the_model_untouched():
     base = type(hostile)
 
     def refuse(self, name, value):
-        if name == "_gradient_checkpointing_func" and type(value).__module__.startswith("ckpt_offload"):
+        ours = type(value).__module__.startswith("ckpt_offload")
+        if name == "_gradient_checkpointing_func" and ours:
             raise InstallFailure("this layer refuses new checkpoint functions")
         base.__setattr__(self, name, value)
 

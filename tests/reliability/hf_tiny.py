@@ -31,7 +31,8 @@ class TokenDataset(Dataset):
     """Fixed random token ids; labels are the inputs (causal LM loss)."""
 
     def __init__(self, count: int = 16, seq: int = SEQ, seed: int = 11):
-        self.ids = torch.randint(3, VOCAB, (count, seq), generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(3, VOCAB, (count, seq), generator=generator)
 
     def __len__(self):
         return len(self.ids)

@@ -132,7 +132,8 @@ def test_soak_500_steps_bit_identical_and_flat_memory(capsys, one_thread):
               f"(bound {mib(RSS_GROWTH_BOUND)})")
         print(f"soak: arena reserved after warm-up {mib(warm_reserved)}, max after warm-up "
               f"{mib(max_reserved_after_warmup)}, at the end {mib(final['host_reserved_bytes'])}; "
-              f"backend allocations after warm-up {final['pinned_allocations'] - warm_allocations}; "
+              f"backend allocations after warm-up "
+              f"{final['pinned_allocations'] - warm_allocations}; "
               f"live at the end {final['host_live_bytes']} B")
     assert growth < RSS_GROWTH_BOUND
     assert final["host_live_bytes"] == 0
