@@ -37,7 +37,7 @@ def free_port() -> int:
 
 
 def torchrun_command(port: int, *worker_args: str):
-    """The launch command (also documented in docs/multi_gpu.md)."""
+    """The launch command (also documented in hf_integration/MULTI_GPU.md)."""
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={NPROC}",
             "--nnodes=1", "--master_addr=127.0.0.1", f"--master_port={port}",
             str(WORKER), *worker_args]

@@ -84,17 +84,19 @@ uint8_t PatternAt(uint8_t tag, size_t i) {
   return static_cast<uint8_t>(tag * 31 + i * 7 + (i >> 8));
 }
 
-// Writes (or checks) the pattern on every byte of small blocks, and on the ends plus one byte
-// per 4 KiB of large ones (keeps executions fast).
+// Writes (or checks) the pattern on every byte of blocks up to 256 bytes, and on the first
+// and last 32 bytes plus one byte per 256 of larger ones: every 256-byte granule of a block
+// is sampled, which is what a misplaced or overlapping block would corrupt, and fuzzing
+// stays fast.
 template <typename Fn>
 void ForPatternBytes(size_t bytes, Fn fn) {
-  if (bytes <= 4096) {
+  if (bytes <= 256) {
     for (size_t i = 0; i < bytes; ++i) fn(i);
     return;
   }
-  for (size_t i = 0; i < 64; ++i) fn(i);
-  for (size_t i = 4096; i < bytes - 64; i += 4096) fn(i);
-  for (size_t i = bytes - 64; i < bytes; ++i) fn(i);
+  for (size_t i = 0; i < 32; ++i) fn(i);
+  for (size_t i = 128; i < bytes - 32; i += 256) fn(i);
+  for (size_t i = bytes - 32; i < bytes; ++i) fn(i);
 }
 
 class Harness {
@@ -284,16 +286,21 @@ class Harness {
 };
 
 size_t Size(Input& in) {
-  switch (in.Below(16)) {
+  switch (in.Below(32)) {
     case 0:
       return 0;
     case 1:
-      return kHostBlockAlignment * (1 + in.Below(64));  // exact multiples
     case 2:
-      return (size_t{1} << 20) + in.U16() * 16;  // around 1 MiB (large class for small mins)
+      return kHostBlockAlignment * (1 + in.Below(64));  // exact multiples
     case 3:
-      return in.Below(1536) << 10;  // up to 1.5 MiB
+      // Around 1 MiB: the large class even with the largest min_slab_bytes. Rare, since
+      // big slabs cost the fuzzer mmap/munmap time.
+      return (size_t{1} << 20) + in.U16() * 16;
     case 4:
+    case 5:
+    case 6:
+      return in.U32() % (size_t{256} << 10);
+    case 7:
       // Beyond any address space / cap: must be refused without overflow.
       return std::numeric_limits<size_t>::max() - in.Below(1024);
     default:
