@@ -460,6 +460,9 @@ struct OffloadEngine::Impl {
     if (it == groups.end() || !it->second.entries.empty()) return;
     if (std::find(pending.begin(), pending.end(), gid) != pending.end()) return;
     if (std::find(d2h_inflight.begin(), d2h_inflight.end(), gid) != d2h_inflight.end()) return;
+    // The forward's newest group may still be receiving entries (keep_last 0 offloads each
+    // entry as it is offered; a refused one is discarded at once).
+    if (!in_backward && gid == next_group - 1) return;
     groups.erase(it);
   }
 

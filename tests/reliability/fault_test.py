@@ -338,12 +338,8 @@ def test_fallback_of_every_input_of_two_input_layers():
     assert_clean_abort(result)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "KNOWN BUG in offload_core/engine.cc: with keep_last=0, OfferEntry copies at once; when "
-    "the arena refuses the block the entry is resident (will_offload=false), the plugin "
-    "Discards it, and EraseEntry -> MaybeEraseGroup erases the group, which is neither "
-    "pending nor in flight, although it is still open: the group's next input then fails "
-    "with NOT_FOUND 'unknown group' instead of falling back"))
+# Regression: with keep_last=0 each input is copied as it is offered; a refused first input
+# used to take its (still open) group with it, failing the layer's next input.
 @pytest.mark.parametrize("name", ["cap_fwd_k0_two_inputs", "alloc_fwd_k0_two_inputs"])
 def test_fallback_of_a_group_s_first_input_with_keep_last_0(name):
     result = outcome(name)
