@@ -14,10 +14,11 @@ SEQ = 32
 HOST = dict(backend="host", min_offload_bytes=0)
 
 
-def tiny_llama(seed: int = 0, attn: str = "sdpa", tied: bool = False) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, attn: str = "sdpa", tied: bool = False,
+               layers: int = 4) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         tie_word_embeddings=tied, attn_implementation=attn,
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -35,9 +36,9 @@ def tiny_lora(model: LlamaForCausalLM):
 class TokenDataset(Dataset):
     """Fixed random token ids; labels are the inputs (causal LM loss)."""
 
-    def __init__(self, count: int = 16, seq: int = SEQ, seed: int = 123):
+    def __init__(self, count: int = 16, seq: int = SEQ, seed: int = 123, vocab: int = VOCAB):
         generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(3, VOCAB, (count, seq), generator=generator)
+        self.ids = torch.randint(3, vocab, (count, seq), generator=generator)
 
     def __len__(self):
         return len(self.ids)

@@ -2,8 +2,10 @@
 (CPU, offline: the model is built from a config, nothing is downloaded)."""
 
 import torch
-from torch.utils.data import Dataset
-from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import tiny
+from tiny import training_args  # noqa: F401  (the HF tests' TrainingArguments)
 
 VOCAB = 96
 SEQ = 16
@@ -27,25 +29,6 @@ def batch(seed: int = 0, size: int = 2, seq: int = SEQ):
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-class TokenDataset(Dataset):
-    """Fixed random token ids; labels are the inputs (causal LM loss)."""
-
-    def __init__(self, count: int = 16, seq: int = SEQ, seed: int = 11):
-        generator = torch.Generator().manual_seed(seed)
-        self.ids = torch.randint(3, VOCAB, (count, seq), generator=generator)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
-
-
-def training_args(output_dir, **overrides) -> TrainingArguments:
-    settings = dict(
-        output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=2,
-        learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
-        seed=0, dataloader_num_workers=0, gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True)
-    settings.update(overrides)
-    return TrainingArguments(**settings)
+def TokenDataset(count: int = 16, seq: int = SEQ, seed: int = 11):
+    """Fixed random token ids of this module's vocabulary; labels are the inputs."""
+    return tiny.TokenDataset(count=count, seq=seq, seed=seed, vocab=VOCAB)
