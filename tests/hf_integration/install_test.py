@@ -299,6 +299,63 @@ def test_reinstall_after_disable():
     handle.disable()
 
 
+# enable_input_require_grads (called by peft and by Trainer for peft models) makes the
+# embedding output a leaf that AccumulateGrad holds until backward.
+
+
+def lora_llama_with_input_require_grads():
+    from tiny import tiny_lora
+
+    model = checkpointed_llama()
+    model.enable_input_require_grads()
+    model = tiny_lora(model)
+    model.train()
+    return model
+
+
+def embedding_hook_names(model):
+    return [hook.__name__ for hook in model.get_input_embeddings()._forward_hooks.values()]
+
+
+def test_first_layer_input_is_offloaded_under_enable_input_require_grads():
+    reference = train_steps(lora_llama_with_input_require_grads())
+    model = lora_llama_with_input_require_grads()
+    hooks_before = list(model.get_input_embeddings()._forward_hooks.values())
+    assert hooks_before and set(embedding_hook_names(model)) == {"make_inputs_require_grads"}
+    handle = enable_activation_offload(model, keep_last=1, **HOST)
+    got = train_steps(model)
+    assert_same(reference, got)
+    # Every layer but the kept one, the first layer's input included.
+    assert handle.stats()["offloaded_tensors"] == LAYERS - 1
+    assert handle.stats()["kept_resident_tensors"] == 1
+    handle.disable()
+    assert list(model.get_input_embeddings()._forward_hooks.values()) == hooks_before
+    embeds = model.get_input_embeddings()(batch()["input_ids"])
+    assert embeds.is_leaf and embeds.requires_grad  # the original hook is back
+
+
+def test_embedding_output_still_requires_grad_and_is_not_a_leaf():
+    model = lora_llama_with_input_require_grads()
+    with enable_activation_offload(model, **HOST):
+        embeds = model.get_input_embeddings()(batch()["input_ids"])
+        assert embeds.requires_grad and not embeds.is_leaf
+        with torch.no_grad():  # outside training the original hook's behaviour
+            assert model.get_input_embeddings()(batch()["input_ids"]).requires_grad
+
+
+def test_require_grads_hook_registered_after_install_is_swapped_at_the_next_step():
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, keep_last=1, **HOST)
+    model.enable_input_require_grads()  # e.g. gradient_checkpointing_enable on a peft model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.model.layers[0].mlp.down_proj.weight.requires_grad_(True)
+    model(**batch()).loss.backward()
+    assert handle.stats()["offloaded_tensors"] == LAYERS - 1
+    handle.disable()
+    assert set(embedding_hook_names(model)) == {"make_inputs_require_grads"}
+
+
 # Wrappers: layers are found through the wrapper; the wrapper's forward is wrapped.
 
 

@@ -6,7 +6,11 @@ What an installation changes, and `OffloadHandle.disable()` puts back exactly:
   layer's positional tensor inputs as one ckpt_offload group;
 - `model.forward` of the instance passed in is wrapped so that every training forward (grad
   enabled, training mode: one micro-step) runs inside the offload engine's context;
-- when gradient checkpointing was off, it is turned on (and off again on disable).
+- when gradient checkpointing was off, it is turned on (and off again on disable);
+- forward hooks that `enable_input_require_grads` (transformers, peft) put on the input
+  embeddings are swapped for one that makes the embeddings require grad without turning
+  them into a leaf (see `_require_grad_without_leaf`); the original hook goes back on
+  disable.
 
 Only the forward runs inside the engine's context: saved-tensor hooks pack during forward,
 and autograd unpacks (restores) during backward whether or not the context is still active.
@@ -54,6 +58,10 @@ STANDING_FIGURES = (
 STEP_PEAKS = ("peak_device_held_bytes", "host_peak_bytes")
 
 _HF_OFFLOAD_CHECKPOINT = "gradient_checkpointing_enable.<locals>.checkpoint_func"
+
+# Names of the forward hooks that transformers' enable_input_require_grads and peft's
+# fallbacks register on the input embeddings: `output.requires_grad_(True)`.
+_REQUIRE_GRADS_HOOK_NAMES = ("make_inputs_require_grads", "make_inputs_require_grad")
 
 
 def enable_activation_offload(model: nn.Module, config: Optional[OffloadConfig] = None,
@@ -110,6 +118,9 @@ class OffloadHandle:
         self._patched: set = set()
         self._turned_on = False
         self._warned_layers: set = set()
+        self._embeddings = _input_embeddings(model)
+        # (embedding module, hook id) -> the require-grads hook function swapped out.
+        self._swapped_hooks: Dict[tuple, Callable] = {}
         self._installed = False
         self._step_open = False
         self._latest: Dict[str, float] = {key: 0 for key in STAT_KEYS}
@@ -144,6 +155,7 @@ class OffloadHandle:
         if notes:
             warnings.warn("ckpt_offload.hf: " + "; ".join(notes), UserWarning, stacklevel=4)
         self._wrap_forward()
+        self._swap_require_grads_hooks()
         self._installed = True
 
     def _save_checkpointing_attrs(self) -> None:
@@ -169,6 +181,27 @@ class OffloadHandle:
             "for %d layers, since activation offload moves the checkpointed layers' inputs",
             len(self._layers))
 
+    def _swap_require_grads_hooks(self) -> None:
+        """Replaces enable_input_require_grads' hooks (also ones registered since the last
+        call: gradient_checkpointing_enable on a peft model registers them anew).
+
+        That hook makes the embedding output a leaf that requires grad, and autograd's
+        AccumulateGrad node holds such a leaf until backward: the first layer's input could
+        never leave the device. Non-reentrant checkpointing (the only kind installed here)
+        does not need the inputs to require grad at all; the substitute keeps them requiring
+        grad, as the model was set up, through a node that holds nothing."""
+        for module in self._embeddings:
+            for hook_id, hook in list(module._forward_hooks.items()):
+                if getattr(hook, "__name__", "") in _REQUIRE_GRADS_HOOK_NAMES:
+                    self._swapped_hooks[(module, hook_id)] = hook
+                    module._forward_hooks[hook_id] = _require_grad_without_leaf
+
+    def _restore_require_grads_hooks(self) -> None:
+        for (module, hook_id), hook in self._swapped_hooks.items():
+            if module._forward_hooks.get(hook_id) is _require_grad_without_leaf:
+                module._forward_hooks[hook_id] = hook
+        self._swapped_hooks.clear()
+
     def _wrap_forward(self) -> None:
         original = self.model.forward
         handle = self
@@ -182,6 +215,7 @@ class OffloadHandle:
                     ckpt_offload.current_engine() is not None):
                 return original(*args, **kwargs)
             handle._begin_step()
+            handle._swap_require_grads_hooks()
             with handle.engine:
                 return original(*args, **kwargs)
 
@@ -202,6 +236,7 @@ class OffloadHandle:
             else:
                 self.model.forward = self._saved_forward
         self._saved_forward = _MISSING
+        self._restore_require_grads_hooks()
         for module, saved in self._saved_attrs.items():
             current = module.__dict__.get("_gradient_checkpointing_func")
             if module in self._patched:
@@ -276,6 +311,51 @@ class OffloadHandle:
         for key in STANDING_FIGURES:
             totals[key] = current.get(key, 0)
         return totals
+
+
+def _input_embeddings(model: nn.Module) -> List[nn.Module]:
+    """The input embedding modules of the PreTrainedModels inside `model`."""
+    found: List[nn.Module] = []
+    for module in model.modules():
+        if not isinstance(module, PreTrainedModel):
+            continue
+        try:
+            embeddings = module.get_input_embeddings()
+        except (NotImplementedError, AttributeError):
+            continue
+        if isinstance(embeddings, nn.Module) and all(embeddings is not m for m in found):
+            found.append(embeddings)
+    return found
+
+
+class _RequiresGrad(torch.autograd.Function):
+    """Identity whose output requires grad because `anchor` does; its node saves nothing,
+    so the input's storage is held by nobody but its users."""
+
+    @staticmethod
+    def forward(ctx, tensor, anchor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return None, None
+
+
+_ANCHOR = torch.zeros((), requires_grad=True)
+
+
+def _require_grad_without_leaf(module, inputs, output):
+    """Stands in for enable_input_require_grads' `output.requires_grad_(True)` hook: the same
+    outcome (the output requires grad, gradients reach the checkpointed layers' parameters
+    exactly as before) without a leaf that AccumulateGrad keeps alive until backward. A
+    model cannot modify the output in place either way (a leaf that requires grad refuses
+    it, and so does a view made inside a custom Function)."""
+    if (isinstance(output, torch.Tensor) and not output.requires_grad
+            and torch.is_grad_enabled()):
+        return _RequiresGrad.apply(output, _ANCHOR)
+    if isinstance(output, torch.Tensor):
+        output.requires_grad_(True)  # without grad, or already requiring it: as the original
+    return None
 
 
 def _accumulate(totals: Dict[str, float], step: Dict[str, float]) -> None:
