@@ -95,6 +95,7 @@ struct Entry {
 
 struct Group {
   std::vector<EntryId> entries;
+  bool eager = false;  // BeginEagerGroup: outside the keep_last window, counted apart
   bool offload_started = false;
   EventPtr d2h_done;  // recorded on the D2H stream after this group's copies
   EventPtr h2d_done;  // recorded on the H2D stream after this group's last restore
@@ -217,7 +218,11 @@ struct OffloadEngine::Impl {
     if (!block.ok()) {
       entry.state = EntryState::kResident;
       SubHeld(entry.bytes);
-      counters.cap_fallbacks++;
+      if (groups.at(entry.group).eager) {
+        counters.eager_cap_fallbacks++;
+      } else {
+        counters.cap_fallbacks++;
+      }
       return absl::OkStatus();
     }
     absl::Status copied =
@@ -232,8 +237,13 @@ struct OffloadEngine::Impl {
     }
     entry.host = *block;
     entry.state = EntryState::kOffloading;
-    counters.offloaded_tensors++;
-    counters.offloaded_bytes += entry.bytes;
+    if (groups.at(entry.group).eager) {
+      counters.eager_offloaded_tensors++;
+      counters.eager_offloaded_bytes += entry.bytes;
+    } else {
+      counters.offloaded_tensors++;
+      counters.offloaded_bytes += entry.bytes;
+    }
     return absl::OkStatus();
   }
 
@@ -338,7 +348,7 @@ struct OffloadEngine::Impl {
       entry.state = EntryState::kResident;
       entry.reclaimed = true;
       SubHeld(entry.bytes);
-      counters.reclaimed_tensors++;
+      if (!group.eager) counters.reclaimed_tensors++;
       if (entry.host) {
         deferred_frees.push_back({entry.host, {group.d2h_done}});
         entry.host = HostBlock{};
@@ -405,9 +415,14 @@ struct OffloadEngine::Impl {
       entry.restore_was_prefetch = prefetch;
       AddHeld(entry.bytes);
       any_issued = true;
-      counters.restored_tensors++;
-      counters.restored_bytes += entry.bytes;
-      if (prefetch) counters.prefetched_tensors++;
+      if (group.eager) {
+        counters.eager_restored_tensors++;
+        counters.eager_restored_bytes += entry.bytes;
+      } else {
+        counters.restored_tensors++;
+        counters.restored_bytes += entry.bytes;
+        if (prefetch) counters.prefetched_tensors++;
+      }
     }
     // The copies queued before a failure need the event too: Acquire and Reset wait on it.
     if (any_issued) {
@@ -650,6 +665,46 @@ absl::StatusOr<GroupId> OffloadEngine::BeginGroup(StreamHandle compute) {
     s.pending.push_back(gid);
   }
   return gid;
+}
+
+absl::StatusOr<GroupId> OffloadEngine::BeginEagerGroup() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& s = *impl_;
+  CKPT_RETURN_IF_ERROR(s.Poll());
+  if (s.in_backward) {
+    s.in_backward = false;  // a new forward, as in BeginGroup
+    s.pending.clear();
+    s.EraseEmptyGroups();
+  }
+  GroupId gid = s.next_group++;
+  Group& group = s.groups[gid];
+  group.eager = true;
+  group.offload_started = true;  // each entry is copied as it is offered
+  return gid;
+}
+
+absl::Status OffloadEngine::PrefetchGroup(GroupId gid, StreamHandle compute) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& s = *impl_;
+  CKPT_RETURN_IF_ERROR(s.Poll());
+  auto it = s.groups.find(gid);
+  if (it == s.groups.end()) return absl::OkStatus();
+  bool waiting = false;
+  for (EntryId id : it->second.entries) {
+    const Entry& entry = s.entries.at(id);
+    if (!entry.discarded && Impl::NeedsRestore(entry) && !entry.restored_once) waiting = true;
+  }
+  if (waiting) CKPT_RETURN_IF_ERROR(s.IssueRestore(gid, compute, /*prefetch=*/true));
+  return s.Prefetch(gid, compute);
+}
+
+absl::Status OffloadEngine::EndForward() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& s = *impl_;
+  CKPT_RETURN_IF_ERROR(s.Poll());
+  if (s.in_backward) return absl::OkStatus();
+  s.EnterBackward();
+  return s.DrainForwardCopies();
 }
 
 absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,

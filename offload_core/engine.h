@@ -22,6 +22,14 @@
 //   *reclaimed*: its source is still on the device, so it is used as is (no H2D).
 //   With P = 0 the first Acquire of a backward waits for the forward's last D2H copies, so
 //   their sources are off the device before backward allocates (memory first).
+// - EndForward() does at once what the first Acquire would do, and drains the forward's
+//   D2H copies for every P: a caller that sees backward begin (its first saved-tensor use,
+//   usually the loss's, where a language model's activation peak is) calls it, so that the
+//   sources are off the device before that peak allocates.
+// - An *eager* group (BeginEagerGroup) stands outside the keep_last window: each entry is
+//   copied out as it is offered, and PrefetchGroup(g) restores it ahead of its Acquire
+//   when the caller knows its backward is near. For tensors saved after the checkpointed
+//   layers (a model's head), whose backward order the group order does not give.
 // - Host blocks live until Discard(entry) (the caller's saved-tensor handle died), so a
 //   retained graph can be restored again. A block returns to the arena only after every copy
 //   touching it completed.
@@ -37,7 +45,8 @@
 // - No hazards: no read before its producing copy completed, no host block reused or device
 //   source released while a copy touching it is in flight.
 // - Device bytes held by the engine (sources not yet released + restored buffers not yet
-//   acquired) never exceed (N + max_inflight_d2h_groups + P + 1) groups' bytes.
+//   acquired) never exceed (N + max_inflight_d2h_groups + P + 1) groups' bytes, counting
+//   eager groups as groups.
 // - After Reset, or after every entry was discarded, arena live bytes are 0.
 //
 // Thread-safety: every method may be called from any thread. Client callbacks are invoked
@@ -69,8 +78,9 @@ struct EngineOptions {
 // Checks ranges; the error names the field.
 absl::Status ValidateEngineOptions(const EngineOptions& options);
 
+// Counts of checkpoint groups' entries; eager groups' entries are counted apart (eager_*).
 struct EngineStats {
-  int64_t groups = 0;
+  int64_t groups = 0;                 // BeginGroup calls (eager groups not included)
   int64_t offloaded_tensors = 0;      // entries whose D2H was issued
   size_t offloaded_bytes = 0;
   int64_t restored_tensors = 0;       // H2D copies issued (prefetched or on demand)
@@ -79,6 +89,11 @@ struct EngineStats {
   int64_t kept_resident_tensors = 0;  // entries of the last keep_last groups
   int64_t cap_fallbacks = 0;          // entries kept on device: arena refused (cap/backend)
   int64_t reclaimed_tensors = 0;      // backward used the still-held source (D2H unfinished)
+  int64_t eager_offloaded_tensors = 0;  // eager groups' entries whose D2H was issued
+  size_t eager_offloaded_bytes = 0;
+  int64_t eager_restored_tensors = 0;   // their H2D copies (by PrefetchGroup or on demand)
+  size_t eager_restored_bytes = 0;
+  int64_t eager_cap_fallbacks = 0;      // eager entries the arena refused (kept on device)
   double exposed_wait_ms = 0;         // compute-stream time spent waiting on H2D
   size_t device_held_bytes = 0;       // now: sources not released + unacquired restores
   size_t peak_device_held_bytes = 0;
@@ -109,6 +124,22 @@ class OffloadEngine {
   // Starts the next group in forward order. A BeginGroup after backward started begins a
   // new forward (the previous forward's pending groups stay resident).
   absl::StatusOr<GroupId> BeginGroup(StreamHandle compute);
+
+  // Starts an eager group: next in order like any group, but outside the keep_last window
+  // (it neither counts towards it nor pushes other groups out of it). Its entries are
+  // copied out as they are offered.
+  absl::StatusOr<GroupId> BeginEagerGroup();
+
+  // Restores `group`'s offloaded entries now, and the next prefetch_depth offloaded groups
+  // below it, ahead of their Acquire. An unknown (discarded) group is not an error.
+  absl::Status PrefetchGroup(GroupId group, StreamHandle compute);
+
+  // The forward saved its last tensor: the pending groups (the last keep_last) stay
+  // resident, and the host waits for the forward's D2H copies still in flight, so their
+  // sources are handed back (Client::ReleaseSource) before this returns. Only the first
+  // call after a forward does anything; the first Acquire of a backward implies it, without
+  // the wait unless prefetch_depth is 0.
+  absl::Status EndForward();
 
   struct Offer {
     EntryId entry;

@@ -124,6 +124,7 @@ def test_schema_accepts_the_plugin_keys(assets, tmp_path):
     ("ckpt_offload_host_memory_limit", 1.5),
     ("ckpt_offload_min_offload_bytes", -1),
     ("ckpt_offload_backend", "tpu"),
+    ("ckpt_offload_head", "sometimes"),
 ])
 def test_schema_rejects_bad_values_naming_the_key(assets, tmp_path, key, value):
     with pytest.raises(ValueError, match=key):

@@ -1065,6 +1065,181 @@ TEST_F(EngineTest, PrefetchZeroFirstAcquireDrainsTheForwardCopies) {
 }
 
 // ---------------------------------------------------------------------------------------
+// EndForward, eager groups and PrefetchGroup: the end of forward and a model's head.
+
+TEST_F(EngineTest, EndForwardDrainsTheForwardCopiesForEveryPrefetchDepth) {
+  // keep_last 1, L = 5 layers of one entry (C = 10 us), F = 20 us: forward ends at 50 us with
+  // groups 2 and 3 copying until 70 and 90 us (see PrefetchZeroFirstAcquireDrains...).
+  // EndForward waits for both, whatever prefetch_depth, and keeps layer 4 resident; the
+  // backward after it reclaims nothing, so every offloaded layer is restored.
+  const size_t kB = kTenMicrosecondBytes;
+  const int kLayers = 5;
+  for (int prefetch : {0, 1, 2}) {
+    SCOPED_TRACE(absl::StrCat("prefetch=", prefetch));
+    EngineHarness harness(Options(1, prefetch));
+    const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 5);
+    for (int step = 0; step < 2; ++step) {
+      harness.engine().ResetStats();
+      const double t0 = harness.sim().host_time_us();
+      SavedLayers saved;
+      ASSERT_TRUE(harness.Forward(plan, step, &saved).ok());
+      for (int layer : {2, 3}) EXPECT_FALSE(harness.client().Released(saved[layer][0].entry));
+      ASSERT_TRUE(harness.engine().EndForward().ok());
+      ExpectNear(harness.sim().host_time_us() - t0, 90, "EndForward returned at");
+      for (int layer = 0; layer + 1 < kLayers; ++layer) {
+        EXPECT_TRUE(harness.client().Released(saved[layer][0].entry)) << "layer " << layer;
+      }
+      EXPECT_EQ(harness.engine().stats().kept_resident_tensors, 1);
+      EXPECT_EQ(harness.engine().stats().device_held_bytes, 0u);
+      ASSERT_TRUE(harness.engine().EndForward().ok());  // only the first call waits
+      ExpectNear(harness.sim().host_time_us() - t0, 90, "a second EndForward returned at");
+      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
+      EXPECT_EQ(harness.DrainAndCheck(), static_cast<size_t>(kLayers - 1));
+      harness.ExpectQuiescent();
+      const EngineStats stats = harness.engine().stats();
+      EXPECT_EQ(stats.reclaimed_tensors, 0);
+      EXPECT_EQ(stats.restored_tensors, kLayers - 1);
+    }
+  }
+}
+
+// A model's head after the checkpointed layers: one eager entry ("the final norm's input"),
+// its restore triggered by the caller while a long head backward runs.
+struct HeadStep {
+  SavedLayers layers;
+  SavedTensor head;
+  GroupId head_group = 0;
+};
+
+void HeadForward(EngineHarness& harness, const StepPlan& plan, size_t head_bytes, int step,
+                 HeadStep* out) {
+  ASSERT_TRUE(harness.Forward(plan, step, &out->layers).ok());
+  absl::StatusOr<GroupId> group = harness.engine().BeginEagerGroup();
+  ASSERT_TRUE(group.ok()) << group.status();
+  out->head_group = *group;
+  SavedTensor& head = out->head;
+  head.bytes = head_bytes;
+  head.tag = int64_t{step} * 1000 + 999;
+  head.source = harness.client().NewSource(head.bytes, head.tag);
+  absl::StatusOr<OffloadEngine::Offer> offer =
+      harness.engine().OfferEntry(*group, head.source, head.bytes, harness.compute());
+  ASSERT_TRUE(offer.ok()) << offer.status();
+  EXPECT_TRUE(offer->will_offload);  // copied as offered: known at once
+  head.entry = offer->entry;
+  harness.client().RegisterSource(head.entry, head.source, head.bytes);
+  // The head's forward (it reads the saved tensor).
+  harness.sim().Compute(harness.compute(), plan.forward_us, {{head.source, head.bytes}});
+}
+
+// Acquire + the head's backward + Discard; true when the head's data was a restore.
+void HeadBackward(EngineHarness& harness, HeadStep* step, double backward_us) {
+  SavedTensor& head = step->head;
+  absl::StatusOr<OffloadEngine::Acquired> acquired =
+      harness.engine().Acquire(head.entry, harness.compute());
+  ASSERT_TRUE(acquired.ok()) << acquired.status();
+  ASSERT_FALSE(acquired->resident);
+  ASSERT_TRUE(harness.client().TakeRestore(head.entry, acquired->device_data));
+  harness.sim().Compute(harness.compute(), backward_us, {{acquired->device_data, head.bytes}});
+  EXPECT_FALSE(harness.engine().Discard(head.entry));
+  harness.client().CallerDropped(head.entry);
+  ASSERT_TRUE(harness.sim().SynchronizeAll().ok());
+  EXPECT_EQ(FirstMismatch(acquired->device_data, head.bytes, head.tag), -1);
+  harness.sim().FreeDeviceBuffer(acquired->device_data);
+  head.entry = 0;
+}
+
+TEST_F(EngineTest, EagerGroupIsCopiedAsOfferedAndStaysOutOfTheKeepLastWindow) {
+  const size_t kB = kTenMicrosecondBytes;
+  const int kLayers = 4;
+  for (int keep_last : {0, 1, 2}) {
+    SCOPED_TRACE(absl::StrCat("keep_last=", keep_last));
+    EngineHarness harness(Options(keep_last, 1));
+    const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 5);
+    for (int step = 0; step < 2; ++step) {
+      harness.engine().ResetStats();
+      HeadStep head_step;
+      HeadForward(harness, plan, 2 * kB, step, &head_step);
+      ASSERT_TRUE(harness.engine().EndForward().ok());
+      EngineStats stats = harness.engine().stats();
+      // The last keep_last layers stay, as without the head; the head is offloaded and
+      // counted apart.
+      EXPECT_EQ(stats.kept_resident_tensors, keep_last);
+      EXPECT_EQ(stats.offloaded_tensors, kLayers - keep_last);
+      EXPECT_EQ(stats.eager_offloaded_tensors, 1);
+      EXPECT_EQ(stats.eager_offloaded_bytes, 2 * kB);
+      EXPECT_EQ(stats.groups, kLayers);  // eager groups are not checkpoint groups
+      EXPECT_TRUE(harness.client().Released(head_step.head.entry));
+      HeadBackward(harness, &head_step, 5);
+      ASSERT_TRUE(harness.Backward(&head_step.layers, plan.backward_us).ok());
+      harness.DrainAndCheck();
+      harness.ExpectQuiescent();
+      stats = harness.engine().stats();
+      EXPECT_EQ(stats.restored_tensors, kLayers - keep_last);
+      EXPECT_EQ(stats.eager_restored_tensors, 1);
+      EXPECT_EQ(stats.reclaimed_tensors, 0);
+    }
+  }
+}
+
+TEST_F(EngineTest, PrefetchGroupHidesTheHeadRestoreAndTheLayersBelowIt) {
+  // keep_last 0, prefetch 1: the head (2C = 20 us) and the last layer (C) are restored at
+  // the caller's PrefetchGroup, queued after the work before it, while a 40 us stretch of
+  // compute (the LM head's backward) runs: neither the head's backward nor the last layer's
+  // waits. Without PrefetchGroup the head's restore is exposed in full.
+  const size_t kB = kTenMicrosecondBytes;
+  const int kLayers = 4;
+  for (bool prefetch_head : {true, false}) {
+    SCOPED_TRACE(absl::StrCat("prefetch_head=", prefetch_head));
+    EngineHarness harness(Options(0, 1));
+    const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 30);
+    harness.engine().ResetStats();
+    HeadStep head_step;
+    HeadForward(harness, plan, 2 * kB, 0, &head_step);
+    ASSERT_TRUE(harness.engine().EndForward().ok());
+    const double blocked_before = harness.sim().blocked_us(harness.compute());
+    if (prefetch_head) {
+      ASSERT_TRUE(harness.engine().PrefetchGroup(head_step.head_group, harness.compute()).ok());
+      EXPECT_EQ(harness.engine().stats().eager_restored_tensors, 1);
+      EXPECT_EQ(harness.engine().stats().prefetched_tensors, 1);  // layer 3, below it
+    }
+    harness.sim().Compute(harness.compute(), 40);  // the LM head's backward
+    HeadBackward(harness, &head_step, 5);
+    ASSERT_TRUE(harness.Backward(&head_step.layers, plan.backward_us).ok());
+    harness.DrainAndCheck();
+    harness.ExpectQuiescent();
+    const double blocked = harness.sim().blocked_us(harness.compute()) - blocked_before;
+    ExpectNear(blocked, prefetch_head ? 0 : CopyUs(2 * kB, 55), "compute blocked");
+    const EngineStats stats = harness.engine().stats();
+    EXPECT_EQ(stats.restored_tensors, kLayers);
+    EXPECT_EQ(stats.eager_restored_tensors, 1);
+    EXPECT_EQ(stats.reclaimed_tensors, 0);
+  }
+}
+
+TEST_F(EngineTest, PrefetchGroupOfAnUnknownOrRestoredGroupDoesNothing) {
+  const size_t kB = kTenMicrosecondBytes;
+  EngineHarness harness(Options(1, 1));
+  const StepPlan plan = UniformPlan(3, kB, 1, 20, 30);
+  HeadStep head_step;
+  HeadForward(harness, plan, kB, 0, &head_step);
+  ASSERT_TRUE(harness.engine().EndForward().ok());
+  EXPECT_TRUE(harness.engine().PrefetchGroup(12345, harness.compute()).ok());
+  EXPECT_EQ(harness.engine().stats().restored_tensors, 0);
+  EXPECT_EQ(harness.engine().stats().eager_restored_tensors, 0);
+  ASSERT_TRUE(harness.engine().PrefetchGroup(head_step.head_group, harness.compute()).ok());
+  ASSERT_TRUE(harness.engine().PrefetchGroup(head_step.head_group, harness.compute()).ok());
+  // The head and layer 1 (layer 2 is kept), each once.
+  EXPECT_EQ(harness.engine().stats().eager_restored_tensors, 1);
+  EXPECT_EQ(harness.engine().stats().restored_tensors, 1);
+  HeadBackward(harness, &head_step, 5);
+  ASSERT_TRUE(harness.Backward(&head_step.layers, plan.backward_us).ok());
+  harness.DrainAndCheck();
+  harness.ExpectQuiescent();
+  EXPECT_EQ(harness.engine().stats().restored_tensors, 2);
+  EXPECT_EQ(harness.engine().stats().eager_restored_tensors, 1);
+}
+
+// ---------------------------------------------------------------------------------------
 // Reset.
 
 void ExpectPreResetEntriesAreGone(EngineHarness& harness, const SavedLayers& saved) {

@@ -60,6 +60,9 @@ BAD_VALUES = [
     ("scope", "everything", SCOPES),
     ("scope", "ALL", SCOPES),
     ("scope", None, SCOPES),
+    ("offload_head", 1, "True or False"),
+    ("offload_head", "yes", "True or False"),
+    ("offload_head", None, "True or False"),
 ]
 
 

@@ -99,6 +99,10 @@ class OffloadConfig:
     scope: "checkpoint_inputs" (only tensors tagged by ckpt_offload.checkpoint or
         mark_checkpoint_inputs) or "all" (every saved tensor >= min_offload_bytes).
     max_inflight_d2h_groups: groups whose device->host copies may run at once.
+    offload_head: with scope "checkpoint_inputs", also offload hidden-state-sized tensors
+        saved after the checkpointed layers (a language model's final norm input): each is
+        copied out once a later large tensor is saved, and brought back when backward
+        reaches that tensor (the LM head's backward), ahead of its own use.
     """
 
     keep_last: int = 1
@@ -108,8 +112,11 @@ class OffloadConfig:
     backend: str = "auto"
     scope: str = "checkpoint_inputs"
     max_inflight_d2h_groups: int = 2
+    offload_head: bool = True
 
     def __post_init__(self):
+        if not isinstance(self.offload_head, bool):
+            raise ValueError(f"offload_head: must be True or False, got {self.offload_head!r}")
         _check_int("keep_last", self.keep_last, 0)
         _check_int("prefetch_depth", self.prefetch_depth, 0)
         _check_int("min_offload_bytes", self.min_offload_bytes, 0, _INT64_MAX)

@@ -24,6 +24,8 @@ STAT_KEYS = (
     "host_live_bytes", "host_peak_bytes", "host_live_blocks", "pinned_allocations",
     "pinned_allocation_seconds", "host_cap_rejections", "host_backend_failures",
     "packed_tensors", "skipped_tensors", "shared_storage_hits",
+    "head_offloaded_tensors", "head_offloaded_bytes", "head_restored_tensors",
+    "head_restored_bytes", "head_kept_tensors", "head_cap_fallbacks",
 )
 
 # Offloaders are shared by every engine of the same settings, so the host pool (and its
@@ -36,7 +38,7 @@ _ACTIVE: Optional["OffloadEngine"] = None
 def _offloader_for(config: OffloadConfig, backend: str) -> "_C.Offloader":
     limit = config.host_memory_limit_bytes()
     key = (backend, config.keep_last, config.prefetch_depth, config.min_offload_bytes,
-           config.scope, config.max_inflight_d2h_groups)
+           config.scope, config.max_inflight_d2h_groups, config.offload_head)
     with _OFFLOADERS_LOCK:
         offloader = _OFFLOADERS.get(key)
         if offloader is None:
@@ -47,7 +49,8 @@ def _offloader_for(config: OffloadConfig, backend: str) -> "_C.Offloader":
                 keep_last=config.keep_last, prefetch_depth=config.prefetch_depth,
                 min_offload_bytes=config.min_offload_bytes, host_memory_limit=limit,
                 backend=backend, scope=config.scope,
-                max_inflight_d2h_groups=config.max_inflight_d2h_groups)
+                max_inflight_d2h_groups=config.max_inflight_d2h_groups,
+                offload_head=config.offload_head)
             _OFFLOADERS[key] = offloader
         else:
             offloader.set_host_memory_limit(limit)

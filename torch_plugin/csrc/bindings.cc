@@ -60,6 +60,12 @@ py::dict StatsDict(const OffloaderStats& s) {
   d["packed_tensors"] = s.packed_tensors;
   d["skipped_tensors"] = s.skipped_tensors;
   d["shared_storage_hits"] = s.shared_storage_hits;
+  d["head_offloaded_tensors"] = e.eager_offloaded_tensors;
+  d["head_offloaded_bytes"] = e.eager_offloaded_bytes;
+  d["head_restored_tensors"] = e.eager_restored_tensors;
+  d["head_restored_bytes"] = e.eager_restored_bytes;
+  d["head_kept_tensors"] = s.head_kept_tensors;
+  d["head_cap_fallbacks"] = e.eager_cap_fallbacks;
   return d;
 }
 
@@ -77,7 +83,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<TensorOffloader, std::shared_ptr<TensorOffloader>>(m, "Offloader")
       .def(py::init([](int keep_last, int prefetch_depth, int64_t min_offload_bytes,
                        uint64_t host_memory_limit, const std::string& backend,
-                       const std::string& scope, int max_inflight_d2h_groups) {
+                       const std::string& scope, int max_inflight_d2h_groups,
+                       bool offload_head) {
              OffloaderConfig config;
              config.keep_last = keep_last;
              config.prefetch_depth = prefetch_depth;
@@ -86,13 +93,14 @@ PYBIND11_MODULE(_C, m) {
              config.backend = ParseBackend(backend);
              config.scope = ParseScope(scope);
              config.max_inflight_d2h_groups = max_inflight_d2h_groups;
+             config.offload_head = offload_head;
              auto made = TensorOffloader::Create(config);
              if (!made.ok()) throw py::value_error(std::string(made.status().message()));
              return *made;
            }),
            py::arg("keep_last"), py::arg("prefetch_depth"), py::arg("min_offload_bytes"),
            py::arg("host_memory_limit"), py::arg("backend"), py::arg("scope"),
-           py::arg("max_inflight_d2h_groups") = 2)
+           py::arg("max_inflight_d2h_groups") = 2, py::arg("offload_head") = true)
       .def("begin_group", &TensorOffloader::BeginGroup, py::arg("inputs"))
       .def("end_group", &TensorOffloader::EndGroup)
       .def(
@@ -100,8 +108,9 @@ PYBIND11_MODULE(_C, m) {
           [](TensorOffloader& self, py::object obj) -> py::object {
             // Tensor subclasses (nn.Parameter, including DeepSpeed ZeRO-3 partitioned ones,
             // FSDP2's DTensor, ...) are someone else's memory to manage: leave them alone.
+            // They can still trigger the restore of head tensors saved before them.
             if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
-              self.CountSkipped();
+              self.PackForeign(THPVariable_Unpack(obj.ptr()));
               return obj;
             }
             auto packed = self.Pack(THPVariable_Unpack(obj.ptr()));
@@ -112,7 +121,10 @@ PYBIND11_MODULE(_C, m) {
       .def(
           "unpack",
           [](TensorOffloader& self, py::object obj) -> py::object {
-            if (!py::isinstance<PackedTensor>(obj)) return obj;
+            if (!py::isinstance<PackedTensor>(obj)) {
+              if (THPVariable_Check(obj.ptr())) self.UnpackKept(THPVariable_Unpack(obj.ptr()));
+              return obj;
+            }
             return py::cast(self.Unpack(obj.cast<const PackedTensor&>()));
           },
           py::arg("packed"))

@@ -54,12 +54,18 @@ c10::Storage OffloadedStorage::Restore(int64_t* span_begin_bytes) {
     *span_begin_bytes = span_begin_bytes_;
     return c10::Storage(std::move(restored));
   }
+  if (entry_ == 0) {
+    // A head candidate that stayed (nothing large followed it): the tensor itself.
+    *span_begin_bytes = 0;
+    return held_.storage();
+  }
   bool resident = false;
   c10::Storage storage = owner_->AcquireStorage(entry_, device_, &resident);
   if (resident) {
     *span_begin_bytes = 0;
   } else {
     restored_ = c10::weak_intrusive_ptr<c10::StorageImpl>(storage.getWeakStorageImpl());
+    if (keep_restore_) kept_restore_ = storage;
     *span_begin_bytes = span_begin_bytes_;
   }
   return storage;
@@ -180,6 +186,11 @@ void TensorOffloader::BeginGroup(const std::vector<at::Tensor>& inputs) {
     }
   }
   std::lock_guard<std::mutex> lock(engine_mu_);
+  if (!forward_open_.exchange(true)) StartForwardLocked();
+  // A layer begins: the tensors saved since the last one were not the model's head. Those
+  // still waiting for a trigger stay where they are.
+  head_window_ = false;
+  head_pending_.clear();
   group_open_ = false;
   const at::Tensor* first = nullptr;
   for (const at::Tensor& t : inputs) {
@@ -204,6 +215,7 @@ void TensorOffloader::EndGroup() {
     marked_.clear();
   }
   std::lock_guard<std::mutex> lock(engine_mu_);
+  if (group_open_) head_window_ = true;
   group_open_ = false;
   // keep_last == 0: the group's copies started as its tensors were packed.
   if (engine_) WarnOnFirstFallback(engine_.get());
@@ -219,32 +231,25 @@ std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
   // nothing would overlap their copies.
   if (torch::autograd::get_current_graph_task_id() != -1) return skip();
   if (config_.scope == Scope::kCheckpointInputs) {
-    std::lock_guard<std::mutex> lock(tensors_mu_);
-    if (marked_.count(tensor.unsafeGetTensorImpl()) == 0) return skip();
+    bool marked = false;
+    {
+      std::lock_guard<std::mutex> lock(tensors_mu_);
+      marked = marked_.count(tensor.unsafeGetTensorImpl()) > 0;
+    }
+    if (!marked) return PackUngrouped(tensor, /*may_offload=*/true);
   }
   if (!IneligibleReason(tensor).empty()) return skip();
 
   const c10::Storage& storage = tensor.storage();
   const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
   const auto [begin, end] = StorageSpan(tensor);
+  // Another view of a storage already offloaded: share its copy.
+  if (auto shared = SharedView(tensor, begin, end)) return shared;
   auto packed = std::make_shared<PackedTensor>();
   packed->sizes = tensor.sizes().vec();
   packed->strides = tensor.strides().vec();
   packed->storage_offset_bytes = begin;
   packed->dtype = tensor.scalar_type();
-  {
-    // Another view of a storage already offloaded: share its copy.
-    std::lock_guard<std::mutex> lock(tensors_mu_);
-    auto it = by_storage_.find(key);
-    if (it != by_storage_.end()) {
-      std::shared_ptr<OffloadedStorage> holder = it->second.lock();
-      if (holder && begin >= holder->span_begin_bytes_ && end <= holder->span_end_bytes_) {
-        shared_hits_.fetch_add(1, std::memory_order_relaxed);
-        packed->storage = std::move(holder);
-        return packed;
-      }
-    }
-  }
 
   EntryId entry = 0;
   {
@@ -271,6 +276,7 @@ std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
       return skip();
     }
     entry = offer->entry;
+    if (group_open_) largest_group_entry_bytes_ = std::max(largest_group_entry_bytes_, end - begin);
   }
   auto holder = std::make_shared<OffloadedStorage>(shared_from_this(), entry, storage, begin,
                                                    end, tensor.device());
@@ -301,7 +307,179 @@ c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& de
   return storage;
 }
 
+std::shared_ptr<PackedTensor> TensorOffloader::SharedView(const at::Tensor& tensor,
+                                                          int64_t begin, int64_t end) {
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  auto it = by_storage_.find(tensor.storage().unsafeGetStorageImpl());
+  if (it == by_storage_.end()) return nullptr;
+  std::shared_ptr<OffloadedStorage> holder = it->second.lock();
+  if (!holder || begin < holder->span_begin_bytes_ || end > holder->span_end_bytes_) {
+    return nullptr;
+  }
+  shared_hits_.fetch_add(1, std::memory_order_relaxed);
+  auto packed = std::make_shared<PackedTensor>();
+  packed->sizes = tensor.sizes().vec();
+  packed->strides = tensor.strides().vec();
+  packed->storage_offset_bytes = begin;
+  packed->dtype = tensor.scalar_type();
+  packed->storage = std::move(holder);
+  return packed;
+}
+
+void TensorOffloader::PackForeign(const at::Tensor& tensor) {
+  packed_.fetch_add(1, std::memory_order_relaxed);
+  if (config_.scope != Scope::kCheckpointInputs ||
+      torch::autograd::get_current_graph_task_id() != -1) {
+    skipped_.fetch_add(1, std::memory_order_relaxed);
+    return;
+  }
+  PackUngrouped(tensor, /*may_offload=*/false);
+}
+
+std::shared_ptr<PackedTensor> TensorOffloader::PackUngrouped(const at::Tensor& tensor,
+                                                             bool may_offload) {
+  auto skip = [this]() -> std::shared_ptr<PackedTensor> {
+    skipped_.fetch_add(1, std::memory_order_relaxed);
+    return nullptr;
+  };
+  // Neither a candidate nor a trigger: no head offload, or small, or not ours.
+  const int64_t min_bytes = std::max<int64_t>(config_.min_offload_bytes, 1);
+  if (!config_.offload_head || !tensor.defined() || tensor.layout() != at::kStrided ||
+      !tensor.has_storage() || !MatchesBackend(tensor) ||
+      static_cast<int64_t>(tensor.nbytes()) < min_bytes) {
+    return skip();
+  }
+  const auto [begin, end] = StorageSpan(tensor);
+  // A view of a candidate's storage is part of it, not its trigger.
+  if (may_offload) {
+    if (auto shared = SharedView(tensor, begin, end)) return shared;
+  }
+
+  std::shared_ptr<OffloadedStorage> candidate;
+  std::vector<GroupId> triggered;
+  {
+    std::lock_guard<std::mutex> lock(engine_mu_);
+    if (!head_window_) return skip();
+    // This tensor triggers the candidates before it: copy them out now; backward restores
+    // them when it reaches this tensor, right before their own backward.
+    std::vector<std::shared_ptr<OffloadedStorage>> waiting;
+    for (const auto& weak : head_pending_) {
+      if (auto pending = weak.lock()) waiting.push_back(std::move(pending));
+    }
+    head_pending_.clear();
+    for (const auto& pending : waiting) {
+      const GroupId gid = OfferHeadLocked(*pending);
+      if (gid != 0) triggered.push_back(gid);
+    }
+    const int64_t bytes = end - begin;
+    if (may_offload && !tensor.is_leaf() && head_entries_ + static_cast<int>(head_pending_.size()) <
+                                 kMaxHeadEntries &&
+        bytes <= 2 * largest_group_entry_bytes_ && IneligibleReason(tensor).empty()) {
+      candidate = std::make_shared<OffloadedStorage>(shared_from_this(), /*entry=*/0,
+                                                     tensor.storage(), begin, end,
+                                                     tensor.device());
+      candidate->held_ = tensor;
+      candidate->keep_restore_ = true;
+      head_pending_.push_back(candidate);
+    }
+  }
+  const void* trigger_key = candidate ? static_cast<const void*>(candidate.get())
+                                      : static_cast<const void*>(tensor.unsafeGetTensorImpl());
+  {
+    std::lock_guard<std::mutex> lock(tensors_mu_);
+    if (!triggered.empty()) {
+      auto& groups = triggers_[trigger_key];
+      groups.insert(groups.end(), triggered.begin(), triggered.end());
+      trigger_count_.store(static_cast<int64_t>(triggers_.size()));
+    }
+    if (candidate) by_storage_[tensor.storage().unsafeGetStorageImpl()] = candidate;
+  }
+  if (!candidate) return skip();
+  auto packed = std::make_shared<PackedTensor>();
+  packed->sizes = tensor.sizes().vec();
+  packed->strides = tensor.strides().vec();
+  packed->storage_offset_bytes = begin;
+  packed->dtype = tensor.scalar_type();
+  packed->storage = std::move(candidate);
+  return packed;
+}
+
+GroupId TensorOffloader::OfferHeadLocked(OffloadedStorage& candidate) {
+  std::lock_guard<std::mutex> lock(candidate.mu_);
+  if (candidate.entry_ != 0 || !candidate.held_.defined()) return 0;
+  const at::Tensor source = candidate.held_;
+  OffloadEngine* engine = EngineFor(source.device());
+  if (engine == nullptr) return 0;  // a second device: left alone
+  auto group = engine->BeginEagerGroup();
+  if (!group.ok()) ThrowStatus("starting a head group", group.status());
+  const StreamHandle compute = ComputeStream(source.device());
+  const auto* base = static_cast<const char*>(source.storage().data());
+  const int64_t bytes = candidate.span_end_bytes_ - candidate.span_begin_bytes_;
+  auto offer = engine->OfferEntry(*group, base + candidate.span_begin_bytes_,
+                                  static_cast<size_t>(bytes), compute);
+  if (!offer.ok()) ThrowStatus("offloading a head tensor", offer.status());
+  WarnOnFirstFallback(engine);
+  if (!offer->will_offload) {
+    engine->Discard(offer->entry);
+    return 0;  // the arena refused: it stays, held by the candidate
+  }
+  candidate.entry_ = offer->entry;
+  {
+    std::lock_guard<std::mutex> tensors_lock(tensors_mu_);
+    if (released_early_.erase(offer->entry) == 0) sources_.emplace(offer->entry, source);
+  }
+  candidate.held_ = at::Tensor();
+  head_entries_++;
+  return *group;
+}
+
+void TensorOffloader::StartForwardLocked() {
+  head_window_ = false;
+  head_entries_ = 0;
+  largest_group_entry_bytes_ = 0;
+  head_pending_.clear();
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  triggers_.clear();
+  trigger_count_.store(0);
+}
+
+void TensorOffloader::NoteUnpack(const void* trigger_key) {
+  if (forward_open_.load(std::memory_order_acquire) && forward_open_.exchange(false)) {
+    std::lock_guard<std::mutex> lock(engine_mu_);
+    head_window_ = false;
+    for (const auto& weak : head_pending_) {
+      if (!weak.expired()) head_kept_.fetch_add(1, std::memory_order_relaxed);
+    }
+    head_pending_.clear();
+    if (engine_) {
+      absl::Status ended = engine_->EndForward();
+      if (!ended.ok()) ThrowStatus("ending the forward", ended);
+    }
+  }
+  if (trigger_count_.load(std::memory_order_acquire) == 0) return;
+  std::vector<GroupId> groups;
+  {
+    std::lock_guard<std::mutex> lock(tensors_mu_);
+    auto it = triggers_.find(trigger_key);
+    if (it == triggers_.end()) return;
+    groups = std::move(it->second);
+    triggers_.erase(it);
+    trigger_count_.store(static_cast<int64_t>(triggers_.size()));
+  }
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  if (!engine_) return;
+  for (GroupId gid : groups) {
+    absl::Status status = engine_->PrefetchGroup(gid, ComputeStream(engine_device_));
+    if (!status.ok()) ThrowStatus("restoring head tensors ahead", status);
+  }
+}
+
+void TensorOffloader::UnpackKept(const at::Tensor& tensor) {
+  NoteUnpack(tensor.unsafeGetTensorImpl());
+}
+
 at::Tensor TensorOffloader::Unpack(const PackedTensor& packed) {
+  NoteUnpack(packed.storage.get());
   int64_t span_begin = 0;
   c10::Storage storage = packed.storage->Restore(&span_begin);
   const int64_t itemsize = static_cast<int64_t>(c10::elementSize(packed.dtype));
@@ -353,6 +531,8 @@ void TensorOffloader::Reset() {
   {
     std::lock_guard<std::mutex> lock(engine_mu_);
     group_open_ = false;
+    forward_open_.store(false);
+    StartForwardLocked();
     if (engine_) status = engine_->Reset();
   }
   {
@@ -379,6 +559,7 @@ OffloaderStats TensorOffloader::stats() const {
   stats.packed_tensors = packed_.load();
   stats.skipped_tensors = skipped_.load();
   stats.shared_storage_hits = shared_hits_.load();
+  stats.head_kept_tensors = head_kept_.load();
   return stats;
 }
 
@@ -388,6 +569,7 @@ void TensorOffloader::ResetStats() {
   packed_ = 0;
   skipped_ = 0;
   shared_hits_ = 0;
+  head_kept_ = 0;
 }
 
 bool TensorOffloader::has_engine() const {

@@ -6,8 +6,21 @@
 //   same sizes, strides, dtype and values on the original device.
 // - Tensors sharing one storage are copied once (one engine entry per storage span) and
 //   restored as views of one storage.
-// - In scope kCheckpointInputs only tensors marked by BeginGroup() move; in scope kAll every
-//   eligible saved tensor does.
+// - In scope kCheckpointInputs only tensors marked by BeginGroup() move, and, with
+//   offload_head, the model's *head*: see below. In scope kAll every eligible saved tensor
+//   does.
+// - The first unpack after a forward (backward has begun, at the loss) ends the forward:
+//   OffloadEngine::EndForward keeps the last keep_last groups and waits for the forward's
+//   copies, so their device memory is free before the loss's backward allocates.
+// - Head (offload_head): tensors saved after a checkpoint group ended and before the next
+//   one began (the final norm, LM head and loss of a language model) that are produced by
+//   autograd (not leaves: no parameters, labels or buffers), eligible, and at most twice
+//   the forward's largest checkpoint-input entry (hidden-state sized: the logits stay), at
+//   most kMaxHeadEntries per forward. Such a candidate is copied out only once a later
+//   saved tensor of at least min_offload_bytes (its *trigger*, on another storage) comes,
+//   and restored ahead of need when backward first unpacks that trigger: backward runs the
+//   head in reverse, so a candidate's own backward comes right after its trigger's. The
+//   last candidates, which nothing large follows, stay where they are.
 // - A PackedTensor keeps its host copy alive (a retained graph can unpack it again) and
 //   returns it to the pool when destroyed.
 // - The compute stream is read at every call (the current CUDA stream), never cached.
@@ -17,6 +30,7 @@
 
 #include <ATen/ATen.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -41,7 +55,12 @@ struct OffloaderConfig {
   Backend backend = Backend::kCuda;
   Scope scope = Scope::kCheckpointInputs;
   int max_inflight_d2h_groups = 2;
+  bool offload_head = true;
 };
+
+// Head tensors offloaded per forward at most (they are few in a language model's head:
+// the final norm's input, the LM head's input).
+inline constexpr int kMaxHeadEntries = 4;
 
 class TensorOffloader;
 
@@ -72,6 +91,13 @@ class OffloadedStorage {
   at::Device device_;
   std::mutex mu_;
   c10::weak_intrusive_ptr<c10::StorageImpl> restored_{c10::intrusive_ptr<c10::StorageImpl>()};
+  // A head candidate not (yet) handed to the engine (entry_ == 0) holds its tensor here.
+  at::Tensor held_;
+  // Head tensors are often saved twice (an RMSNorm's float32 input, by pow and by mul),
+  // and the first use's restore is gone before the second use: a head storage keeps its
+  // restore until its last saved-tensor handle dies, as the tensor itself would live.
+  bool keep_restore_ = false;
+  c10::Storage kept_restore_;
 };
 
 // What Pack returns for an offloaded tensor.
@@ -88,6 +114,8 @@ struct OffloaderStats {
   int64_t packed_tensors = 0;   // tensors Pack was asked about
   int64_t skipped_tensors = 0;  // returned as-is (not marked, too small, not eligible)
   int64_t shared_storage_hits = 0;
+  int64_t head_kept_tensors = 0;  // head candidates that no trigger followed (head
+                                  // offloads and restores: engine.eager_*)
 };
 
 class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
@@ -102,11 +130,15 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   void BeginGroup(const std::vector<at::Tensor>& inputs);
   void EndGroup();
 
-  // Autograd's saved-tensor hooks. Pack returns nullptr for "keep the tensor as it is".
+  // Autograd's saved-tensor hooks. Pack returns nullptr for "keep the tensor as it is";
+  // such a tensor reaches UnpackKept instead of Unpack.
   std::shared_ptr<PackedTensor> Pack(const at::Tensor& tensor);
   at::Tensor Unpack(const PackedTensor& packed);
+  void UnpackKept(const at::Tensor& tensor);
 
-  // Counts a tensor the caller kept without asking Pack (e.g. a Python tensor subclass).
+  // Counts a tensor the caller keeps without asking Pack (a Python tensor subclass such as
+  // nn.Parameter); it may still trigger head tensors saved before it.
+  void PackForeign(const at::Tensor& tensor);
   void CountSkipped() {
     packed_.fetch_add(1, std::memory_order_relaxed);
     skipped_.fetch_add(1, std::memory_order_relaxed);
@@ -140,6 +172,17 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   void Discard(EntryId entry, const c10::StorageImpl* key, const OffloadedStorage* holder);
   c10::Storage AcquireStorage(EntryId entry, const at::Device& device, bool* resident);
 
+  // Head (see the contract). PackUngrouped handles a tensor saved outside any group in
+  // scope kCheckpointInputs; OfferHeadLocked hands a candidate to the engine as an eager
+  // group (0: it stays where it is). engine_mu_ held by the Locked ones.
+  std::shared_ptr<PackedTensor> PackUngrouped(const at::Tensor& tensor, bool may_offload);
+  GroupId OfferHeadLocked(OffloadedStorage& candidate);
+  void StartForwardLocked();
+  // Backward began (first unpack after a forward): EndForward. Then a trigger's groups.
+  void NoteUnpack(const void* trigger_key);
+  std::shared_ptr<PackedTensor> SharedView(const at::Tensor& tensor, int64_t begin,
+                                           int64_t end);
+
   OffloaderConfig config_;  // host_memory_limit may change between steps
 
   // Engine state; created lazily on the first offloadable tensor's device.
@@ -155,6 +198,14 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   bool warned_fallback_ = false;
   void WarnOnFirstFallback(OffloadEngine* engine);
 
+  // The forward/backward turn and the head. forward_open_: a group began since the last
+  // forward's end (the first unpack after it). The rest is guarded by engine_mu_.
+  std::atomic<bool> forward_open_{false};
+  bool head_window_ = false;  // a group ended in this forward and no group is open since
+  int head_entries_ = 0;      // head tensors offered in this forward
+  int64_t largest_group_entry_bytes_ = 0;
+  std::vector<std::weak_ptr<OffloadedStorage>> head_pending_;  // candidates without trigger
+
   // Tensors owned on the engine's behalf (guarded by tensors_mu_; taken inside engine calls).
   std::mutex tensors_mu_;
   std::unordered_map<EntryId, at::Tensor> sources_;   // until ReleaseSource / Discard
@@ -162,10 +213,15 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   std::unordered_map<EntryId, at::Tensor> restores_;  // until acquired or dropped
   std::unordered_map<const c10::StorageImpl*, std::weak_ptr<OffloadedStorage>> by_storage_;
   std::unordered_set<const c10::TensorImpl*> marked_;
+  // Trigger -> eager groups to restore at its first unpack. A kept trigger is keyed by its
+  // TensorImpl, a packed one by its OffloadedStorage; cleared when a forward starts.
+  std::unordered_map<const void*, std::vector<GroupId>> triggers_;
+  std::atomic<int64_t> trigger_count_{0};
 
   std::atomic<int64_t> packed_{0};
   std::atomic<int64_t> skipped_{0};
   std::atomic<int64_t> shared_hits_{0};
+  std::atomic<int64_t> head_kept_{0};
 };
 
 }  // namespace ckpt_offload::torch_plugin

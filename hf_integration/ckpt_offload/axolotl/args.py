@@ -24,6 +24,7 @@ CONFIG_FIELDS = {
     "ckpt_offload_host_memory_limit": "host_memory_limit",
     "ckpt_offload_min_offload_bytes": "min_offload_bytes",
     "ckpt_offload_backend": "backend",
+    "ckpt_offload_head": "offload_head",
 }
 
 
@@ -46,6 +47,10 @@ class ActivationOffloadArgs(BaseModel):
         "ckpt_offload: saved tensors smaller than this stay where they are (default 1 MiB).")
     ckpt_offload_backend: Optional[Literal["auto", "cuda", "host"]] = _described(
         "ckpt_offload: 'auto' offloads CUDA tensors; 'host' moves CPU tensors (for tests).")
+    ckpt_offload_head: Optional[bool] = _described(
+        "ckpt_offload: also offload hidden-state-sized tensors saved after the checkpointed "
+        "layers (the final norm's input), restored during the LM head's backward "
+        "(default true).")
 
     @field_validator(*CONFIG_FIELDS, mode="before")
     @classmethod

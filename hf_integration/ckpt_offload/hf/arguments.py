@@ -23,6 +23,7 @@ _ARGUMENT_FOR_FIELD = {
     "backend": "offload_backend",
     "scope": "offload_scope",
     "max_inflight_d2h_groups": "offload_max_inflight_d2h_groups",
+    "offload_head": "offload_head",
 }
 
 
@@ -50,6 +51,9 @@ class OffloadArguments:
         "help": "'checkpoint_inputs' (layer inputs only) or 'all' saved tensors."})
     offload_max_inflight_d2h_groups: int = field(default=2, metadata={
         "help": "Layers whose device-to-host copies may be in flight at once."})
+    offload_head: bool = field(default=True, metadata={
+        "help": "Also offload hidden-state-sized tensors saved after the checkpointed layers "
+                "(the final norm's input), restored during the LM head's backward."})
 
     def __post_init__(self):
         # Validate at parse time, so a bad value stops the run before the model loads.
@@ -67,6 +71,7 @@ class OffloadArguments:
                 backend=self.offload_backend,
                 scope=self.offload_scope,
                 max_inflight_d2h_groups=self.offload_max_inflight_d2h_groups,
+                offload_head=self.offload_head,
             )
         except ValueError as error:
             raise ValueError(_rename_field(str(error))) from None
