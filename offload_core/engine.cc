@@ -698,6 +698,19 @@ absl::Status OffloadEngine::PrefetchGroup(GroupId gid, StreamHandle compute) {
   return s.Prefetch(gid, compute);
 }
 
+absl::Status OffloadEngine::OffloadPendingGroups(StreamHandle compute) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& s = *impl_;
+  CKPT_RETURN_IF_ERROR(s.Poll());
+  if (s.in_backward) return absl::OkStatus();
+  while (!s.pending.empty()) {
+    GroupId oldest = s.pending.front();
+    s.pending.pop_front();
+    CKPT_RETURN_IF_ERROR(s.StartOffload(oldest, compute));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status OffloadEngine::EndForward() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;

@@ -134,6 +134,11 @@ class OffloadEngine {
   // below it, ahead of their Acquire. An unknown (discarded) group is not an error.
   absl::Status PrefetchGroup(GroupId group, StreamHandle compute);
 
+  // Starts the copies of the forward's pending groups (those the keep_last window would
+  // keep) now: the caller has an earlier way to restore them (PrefetchGroup of a later
+  // eager group reaches the groups below it).
+  absl::Status OffloadPendingGroups(StreamHandle compute);
+
   // The forward saved its last tensor: the pending groups (the last keep_last) stay
   // resident, and the host waits for the forward's D2H copies still in flight, so their
   // sources are handed back (Client::ReleaseSource) before this returns. Only the first

@@ -35,8 +35,9 @@ from tiny_llama import LAYERS, SEQ, TokenDataset, tiny_llama
 
 BATCH = 2
 HIDDEN = 64
-# keep_last=1: every layer but the last has its input hidden states offloaded.
-OFFLOADED_PER_STEP = LAYERS - 1
+# keep_last=1: every layer has its input hidden states offloaded (the LM head's offloaded
+# tensor restores the last one ahead, so it is not kept).
+OFFLOADED_PER_STEP = LAYERS  # keep_last=1, released by the LM head's offload
 OFFLOADED_BYTES_PER_STEP = OFFLOADED_PER_STEP * BATCH * SEQ * HIDDEN * 4
 OFFLOAD = dict(backend="host", min_offload_bytes=0, keep_last=1)
 TIMEOUT = datetime.timedelta(seconds=120)

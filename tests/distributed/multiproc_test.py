@@ -27,7 +27,7 @@ NPROC = 2
 TIMEOUT_S = 300
 STEPS = 4
 LAYERS = 3
-OFFLOADED_PER_STEP = LAYERS - 1  # keep_last=1
+OFFLOADED_PER_STEP = LAYERS  # keep_last=1, released by the LM head's offload
 
 
 def free_port() -> int:

@@ -56,13 +56,13 @@ def test_trainer_bit_identical_with_offload_figures_and_restored_model(tmp_path,
     for entry in train_logs(trainer):
         assert all(key in entry for key in OFFLOAD_KEYS), entry
         # 4 layers, the last one kept resident: 3 hidden states offloaded per step.
-        assert entry["offload/offloaded_tensors"] == LAYERS - 1
-        assert entry["offload/kept_resident_tensors"] == 1
+        assert entry["offload/offloaded_tensors"] == LAYERS
+        assert entry["offload/kept_resident_tensors"] == 0
         assert entry["offload/offloaded_gib"] > 0
         assert entry["offload/cap_fallbacks"] == 0
     offloaded = [totals["offloaded_tensors"] for totals in probe.step_totals]
-    assert offloaded == [3, 6, 9, 12]
-    assert callback.final_totals["restored_tensors"] == 12
+    assert offloaded == [4, 8, 12, 16]
+    assert callback.final_totals["restored_tensors"] == 4 * LAYERS
     assert callback.final_totals["host_live_bytes"] == 0
     assert callback.handle is None
     assert_restored(model, probe)
@@ -82,8 +82,8 @@ def test_lora_with_tied_embeddings(tmp_path):
         # With frozen embeddings, peft and the Trainer call enable_input_require_grads, whose
         # hook would make the first layer's input a leaf held by autograd until backward;
         # the installation swaps that hook, so every layer but the kept one is offloaded.
-        assert entry["offload/offloaded_tensors"] == LAYERS - 1
-        assert entry["offload/kept_resident_tensors"] == 1
+        assert entry["offload/offloaded_tensors"] == LAYERS
+        assert entry["offload/kept_resident_tensors"] == 0
     assert_restored(model, probe)
 
 
@@ -95,10 +95,10 @@ def test_gradient_accumulation_counts_each_micro_batch(tmp_path):
     assert_same_weights(plain_model, model)
     # Two micro-batches, each its own engine step, per optimizer step.
     assert [t["micro_steps"] for t in probe.step_totals] == [2, 4, 6, 8]
-    assert [t["offloaded_tensors"] for t in probe.step_totals] == [6, 12, 18, 24]
+    assert [t["offloaded_tensors"] for t in probe.step_totals] == [8, 16, 24, 32]
     for entry in train_logs(trainer):
-        assert entry["offload/offloaded_tensors"] == 2 * (LAYERS - 1)
-        assert entry["offload/kept_resident_tensors"] == 2
+        assert entry["offload/offloaded_tensors"] == 2 * LAYERS
+        assert entry["offload/kept_resident_tensors"] == 0
     assert_restored(model, probe)
 
 
@@ -149,7 +149,7 @@ def test_reentrant_request_is_changed_with_a_warning(tmp_path):
     with pytest.warns(UserWarning, match="use_reentrant=False"):
         trainer, losses = train(model, tmp_path, callbacks=[probe, callback],
                                 gradient_checkpointing_kwargs={"use_reentrant": True})
-    assert callback.final_totals["offloaded_tensors"] == 4 * (LAYERS - 1)
+    assert callback.final_totals["offloaded_tensors"] == 4 * LAYERS
     # Afterwards the Trainer's own (reentrant) checkpoint functions are back.
     assert_restored(model, probe)
     assert all(f.keywords == {"use_reentrant": True} for f in probe.begin_funcs.values())
@@ -168,7 +168,7 @@ def test_checkpointing_turned_on_when_off_and_off_again_after(tmp_path, caplog):
     assert "turned it on" in caplog.text
     assert losses == plain_losses
     assert_same_weights(plain_model, model)
-    assert callback.final_totals["offloaded_tensors"] == 4 * (LAYERS - 1)
+    assert callback.final_totals["offloaded_tensors"] == 4 * LAYERS
     assert probe.begin_funcs == {}
     assert checkpoint_funcs(model) == {}
     assert not model.is_gradient_checkpointing
@@ -204,7 +204,7 @@ def test_attach_puts_figures_in_front_of_earlier_callbacks(tmp_path):
     trainer.train()
     step_logs = [log for log in reporter.logs if "loss" in log]
     assert len(step_logs) == 2
-    assert all(log["offload/offloaded_tensors"] == LAYERS - 1 for log in step_logs)
+    assert all(log["offload/offloaded_tensors"] == LAYERS for log in step_logs)
 
 
 def test_bad_override_fails_before_training():
@@ -240,6 +240,6 @@ def test_train_twice_with_one_callback(tmp_path):
     trainer.train()
     first = callback.final_totals
     trainer.train()
-    assert first["offloaded_tensors"] == callback.final_totals["offloaded_tensors"] == 6
+    assert first["offloaded_tensors"] == callback.final_totals["offloaded_tensors"] == 2 * LAYERS
     assert "forward" not in model.__dict__
     assert torch.is_grad_enabled()

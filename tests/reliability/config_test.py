@@ -176,7 +176,8 @@ def test_nested_context_is_refused_and_outer_context_keeps_working():
         loss.backward()
     assert_nothing_installed()
     assert identical(reference, (loss.detach(), grads(model)))
-    assert outer.stats()["offloaded_tensors"] == 3
+    # 4 layers: the head's trigger releases the kept one too.
+    assert outer.stats()["offloaded_tensors"] == 4
 
 
 def test_checkpoint_without_tensor_inputs_is_an_error_inside_and_outside_a_context():
@@ -272,5 +273,5 @@ def test_engine_object_reentered_after_exit_trains_identically():
             loss = model(x, ckpt_offload.checkpoint)
             loss.backward()
         assert identical(reference, (loss.detach(), grads(model)))
-        assert engine.stats()["offloaded_tensors"] == 3
+        assert engine.stats()["offloaded_tensors"] == 4
     assert_nothing_installed()

@@ -49,18 +49,26 @@ def host_live_bytes(engine):
 
 @pytest.mark.parametrize("keep_last", [0, 1, 2])
 @pytest.mark.parametrize("prefetch_depth", [0, 1, 2])
-def test_mlp_stack_gradients_bit_identical_to_plain_checkpointing(keep_last, prefetch_depth):
+@pytest.mark.parametrize("offload_head", [True, False])
+def test_mlp_stack_gradients_bit_identical_to_plain_checkpointing(keep_last, prefetch_depth,
+                                                                  offload_head):
     model = make_mlp_stack(layers=6, hidden=32)
     x = torch.randn(4, 16, 32, requires_grad=True)
     reference = run_step(model, x, plain_ckpt)
     got = run_step(model, x, ckpt_offload.checkpoint,
-                   dict(keep_last=keep_last, prefetch_depth=prefetch_depth, **HOST))
+                   dict(keep_last=keep_last, prefetch_depth=prefetch_depth,
+                        offload_head=offload_head, **HOST))
     assert_same(reference, got)
     stats = got[2].stats()
     # Layer 0's input is a leaf that requires grad: its AccumulateGrad node holds it until
-    # backward anyway, so it stays.
-    assert stats["offloaded_tensors"] == 5 - keep_last
-    assert stats["kept_resident_tensors"] == keep_last
+    # backward anyway, so it stays. With the head offloaded (the head Linear's input, whose
+    # trigger is its weight), the kept layers are copied out too: the trigger's restore
+    # prefetches them.
+    kept = 0 if offload_head else keep_last
+    assert (stats["head_offloaded_tensors"] > 0) == offload_head
+    assert stats["head_restored_tensors"] == stats["head_offloaded_tensors"]
+    assert stats["offloaded_tensors"] == 5 - kept
+    assert stats["kept_resident_tensors"] == kept
     assert stats["restored_tensors"] + stats["reclaimed_tensors"] == stats["offloaded_tensors"]
     if prefetch_depth > 0:
         assert stats["prefetched_tensors"] >= stats["offloaded_tensors"] - 1
@@ -81,18 +89,24 @@ def test_llama_like_stack_bit_identical_with_kwargs(dtype):
         return torch.utils.checkpoint.checkpoint(layer, h, use_reentrant=False, scale=0.5)
 
     reference = run_step(model, x, plain_call)
-    got = run_step(model, x, offload_call, dict(keep_last=1, **HOST))
+    got = run_step(model, x, offload_call, dict(keep_last=1, offload_head=False, **HOST))
     assert_same(reference, got)
     stats = got[2].stats()
     assert stats["offloaded_tensors"] == 3
     assert stats["kept_resident_tensors"] == 1
     assert stats["offloaded_bytes"] == 3 * x.numel() * x.element_size()
+    # With the head: every layer (the kept one too) and the head Linear's input.
+    got = run_step(model, x, offload_call, dict(keep_last=1, **HOST))
+    assert_same(reference, got)
+    stats = got[2].stats()
+    assert (stats["offloaded_tensors"], stats["kept_resident_tensors"]) == (4, 0)
+    assert stats["head_offloaded_tensors"] == stats["head_restored_tensors"] > 0
 
 
 def test_only_tagged_inputs_move_in_checkpoint_inputs_scope():
     model = make_mlp_stack(layers=3, hidden=32)
     x = torch.randn(4, 16, 32)
-    with ckpt_offload.offload_activations(keep_last=0, **HOST) as engine:
+    with ckpt_offload.offload_activations(keep_last=0, offload_head=False, **HOST) as engine:
         # Saved tensors outside checkpoint groups (the head's input) stay put.
         loss = model(x, ckpt_offload.checkpoint)
         loss.backward()
@@ -214,7 +228,9 @@ def test_backward_after_the_block_exits_still_restores():
         loss = model(x, ckpt_offload.checkpoint)
     loss.backward()
     assert_same(reference, (loss.detach(), grads(model), engine))
-    assert engine.stats()["restored_tensors"] == 3
+    # Every layer (the head's trigger copied the kept one out too) and the head's input.
+    assert engine.stats()["restored_tensors"] == 4
+    assert engine.stats()["head_restored_tensors"] == engine.stats()["head_offloaded_tensors"]
 
 
 class Boom(RuntimeError):
@@ -310,7 +326,7 @@ def test_autocast_training_is_bit_identical():
             return run_step(model, x, call, kwargs)
 
     reference = under_autocast(plain_ckpt, None)
-    got = under_autocast(ckpt_offload.checkpoint, dict(keep_last=1, **HOST))
+    got = under_autocast(ckpt_offload.checkpoint, dict(keep_last=1, offload_head=False, **HOST))
     assert_same(reference, got)
     assert got[2].stats()["offloaded_tensors"] == 3
 

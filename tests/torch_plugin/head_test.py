@@ -128,19 +128,26 @@ def test_final_norm_input_is_offloaded_and_back_before_the_norms_backward(keep_l
     assert stats["head_offloaded_tensors"] == 1
     assert stats["head_offloaded_bytes"] == 2 * SEQ * HIDDEN * 4
     assert stats["head_restored_tensors"] == 1
-    assert stats["offloaded_tensors"] == 4 - keep_last  # layer inputs, counted apart
+    # Layer inputs, counted apart: all of them, the last keep_last too, since the head's
+    # trigger restores those ahead as well.
+    assert stats["offloaded_tensors"] == 4
+    assert stats["kept_resident_tensors"] == 0
     # Restored when backward reached the LM head's weight (its trigger), before the norm's
-    # backward asked for it; not yet when backward began.
+    # backward asked for it; not yet when backward began. The last layer's input is
+    # prefetched with it (prefetch_depth > 0).
     assert log["backward_start"]["head_restored_tensors"] == 0
+    assert log["backward_start"]["restored_tensors"] == 0
     assert log["before_norm_backward"]["head_restored_tensors"] == 1
+    assert log["before_norm_backward"]["restored_tensors"] == prefetch_depth
 
 
-def test_first_unpack_ends_the_forward_and_frees_every_source():
+@pytest.mark.parametrize("keep_last", [0, 1])
+def test_first_unpack_ends_the_forward_and_frees_every_source(keep_last):
     model = LanguageModel()
-    got = step(model, dict(keep_last=0, prefetch_depth=1, **HOST))
+    got = step(model, dict(keep_last=keep_last, prefetch_depth=1, **HOST))
     start = got[3]["backward_start"]
-    # keep_last 0: every layer input and the head tensor were copied out, and their device
-    # sources were handed back before the loss's backward ran.
+    # Every layer input and the head tensor were copied out, and their device sources were
+    # handed back before the loss's backward ran.
     assert start["offloaded_tensors"] == 4
     assert start["head_offloaded_tensors"] == 1
     assert start["device_held_bytes"] == 0
@@ -168,6 +175,7 @@ def test_a_head_candidate_that_nothing_large_follows_stays():
     stats = engine.stats()
     assert stats["head_offloaded_tensors"] == 0
     assert stats["head_kept_tensors"] == 1
+    assert stats["kept_resident_tensors"] == 1  # no trigger: the kept layer stays too
 
 
 def test_head_tensors_between_layers_wait_for_no_later_group():

@@ -371,6 +371,12 @@ std::shared_ptr<PackedTensor> TensorOffloader::PackUngrouped(const at::Tensor& t
       const GroupId gid = OfferHeadLocked(*pending);
       if (gid != 0) triggered.push_back(gid);
     }
+    if (!triggered.empty()) {
+      // The trigger's backward will restore the head and, by prefetch, the groups below it:
+      // the last keep_last groups need not stay on the device through the head's backward.
+      absl::Status started = engine_->OffloadPendingGroups(ComputeStream(engine_device_));
+      if (!started.ok()) ThrowStatus("starting a checkpoint group's copies", started);
+    }
     const int64_t bytes = end - begin;
     if (may_offload && !tensor.is_leaf() && head_entries_ + static_cast<int>(head_pending_.size()) <
                                  kMaxHeadEntries &&

@@ -20,7 +20,9 @@
 //   saved tensor of at least min_offload_bytes (its *trigger*, on another storage) comes,
 //   and restored ahead of need when backward first unpacks that trigger: backward runs the
 //   head in reverse, so a candidate's own backward comes right after its trigger's. The
-//   last candidates, which nothing large follows, stay where they are.
+//   last candidates, which nothing large follows, stay where they are. Once a trigger is
+//   set, the last keep_last groups are copied out too: the trigger's restore prefetches
+//   the groups below the head, so the LM head's backward hides their copies as well.
 // - A PackedTensor keeps its host copy alive (a retained graph can unpack it again) and
 //   returns it to the pool when destroyed.
 // - The compute stream is read at every call (the current CUDA stream), never cached.
