@@ -107,6 +107,7 @@ def _load_module(name: str, path: str):
 
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -114,11 +115,18 @@ def _load_module(name: str, path: str):
 def peer_modes(model_holder) -> List[Mode]:
     """Peers' offload contexts, when their code is importable here.
 
-    TRL's activation offloading is loaded from its module file (CKPT_OFFLOAD_PEERS_DIR or an
-    installed trl) without trl's package __init__, which pulls in datasets and more.
+    Each is loaded from its module file (CKPT_OFFLOAD_PEERS_DIR, filled by
+    scripts/gpu_peers.sh from the peers' PyPI wheels, or an installed package) without the
+    package's __init__, which pulls in much more (and axolotl pins a newer torch):
+    - TRL's activation offloading (trl/models/activation_offloading.py);
+    - axolotl's hidden-states offload for non-reentrant checkpointing, what
+      `activation_offloading: hidden_states` runs (axolotl/monkeypatch/
+      checkpoint_activation_offload.py): a marker on GradientCheckpointingLayer.__call__
+      and a saved-tensors context around forward and backward.
     """
     modes = []
     peers_dir = os.environ.get("CKPT_OFFLOAD_PEERS_DIR", "")
+    modes.extend(_axolotl_mode(peers_dir))
     trl_file = os.path.join(peers_dir, "trl", "models", "activation_offloading.py")
     try:
         if peers_dir and os.path.exists(trl_file):
@@ -136,6 +144,39 @@ def peer_modes(model_holder) -> List[Mode]:
     except Exception as error:  # noqa: BLE001 - any import failure means "not available"
         print(f"note: TRL activation offloading not importable ({type(error).__name__}: {error})")
     return modes
+
+
+def _axolotl_mode(peers_dir: str) -> List[Mode]:
+    path = os.path.join(peers_dir, "axolotl", "monkeypatch", "checkpoint_activation_offload.py")
+    try:
+        if peers_dir and os.path.exists(path):
+            axolotl_offload = _load_module("axolotl_checkpoint_activation_offload", path)
+        else:
+            import axolotl.monkeypatch.checkpoint_activation_offload as axolotl_offload  # type: ignore
+    except Exception as error:  # noqa: BLE001 - any import failure means "not available"
+        print(f"note: axolotl hidden-states offload not importable ({type(error).__name__}: "
+              f"{error})")
+        return []
+
+    class AxolotlHiddenStates(Mode):
+        name = "axolotl_hs_offload"
+
+        def setup(self, model):
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            self.original_call = GradientCheckpointingLayer.__call__
+            axolotl_offload.patch_gradient_checkpointing_layer_marker()
+
+        def context(self):
+            return axolotl_offload.get_checkpoint_hidden_states_offloading_ctx_manager()
+
+        def teardown(self, model):
+            from transformers.modeling_layers import GradientCheckpointingLayer
+
+            GradientCheckpointingLayer.__call__ = self.original_call
+            axolotl_offload._ORIG_GRADIENT_CHECKPOINTING_LAYER_CALL = None
+
+    return [AxolotlHiddenStates()]
 
 
 def train_step(model, ids, mode: Mode) -> float:
@@ -160,10 +201,16 @@ def run_mode(model, shape, seqs: List[int], mode: Mode, warmup: int,
                       for s in seqs]
         times, peaks, losses, per_step_stats = [], [], [], []
         pinned_before_timed = None
+        # The physical side: what the caching allocator holds, from an empty cache on.
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        reserved_peak = 0
         for index, tokens in enumerate(token_sets):
             ids = tokens.cuda()
             gc.collect()
             torch.cuda.synchronize()
+            reserved_peak = max(reserved_peak, torch.cuda.max_memory_reserved())
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
             recording = memory_history and index == len(token_sets) - 1
@@ -182,16 +229,25 @@ def run_mode(model, shape, seqs: List[int], mode: Mode, warmup: int,
                 peaks.append(peak)
                 losses.append(loss)
                 per_step_stats.append(mode.stats())
+        torch.cuda.synchronize()
+        reserved_peak = max(reserved_peak, torch.cuda.max_memory_reserved())
         result = dict(mode=mode.name, step_ms=statistics.median(times),
-                      step_ms_all=times, act_peak_gib=max(peaks) / GIB, losses=losses)
+                      step_ms_all=times, act_peak_gib=max(peaks) / GIB, losses=losses,
+                      reserved_peak_gib=reserved_peak / GIB)
         stats = per_step_stats[-1] if per_step_stats else {}
         if stats:
             hidden_bytes = seqs[-1] * cfg["hidden_size"] * 2
             layers = cfg["num_hidden_layers"]
-            offloaded = stats.get("offloaded_bytes", 0)
+            keep_last = getattr(mode, "kwargs", {}).get("keep_last", 1)
+            offloaded = stats.get("offloaded_bytes", 0)  # layer inputs (head apart)
             result.update(
                 offloaded_bytes=offloaded,
-                offloaded_fraction=offloaded / ((layers - 1) * hidden_bytes),
+                # The issue's definition: layer inputs moved over those outside keep_last.
+                # Above 1 when the head's restore point releases the kept layers too.
+                offloaded_fraction=offloaded / ((layers - keep_last) * hidden_bytes),
+                layers_offloaded=stats.get("offloaded_tensors", 0),
+                layers_kept=stats.get("kept_resident_tensors", 0),
+                head_offloaded_gib=stats.get("head_offloaded_bytes", 0) / GIB,
                 host_reserved_gib=stats.get("host_reserved_bytes", 0) / GIB,
                 host_peak_gib=stats.get("host_peak_bytes", 0) / GIB,
                 pinned_allocs_after_warmup=(stats.get("pinned_allocations", 0)
@@ -199,7 +255,9 @@ def run_mode(model, shape, seqs: List[int], mode: Mode, warmup: int,
                 exposed_wait_ms=statistics.median(s.get("exposed_wait_ms", 0)
                                                   for s in per_step_stats),
                 cap_fallbacks=stats.get("cap_fallbacks", 0),
-                achieved_gbps=(stats.get("offloaded_bytes", 0) + stats.get("restored_bytes", 0))
+                achieved_gbps=(stats.get("offloaded_bytes", 0) + stats.get("restored_bytes", 0)
+                               + stats.get("head_offloaded_bytes", 0)
+                               + stats.get("head_restored_bytes", 0))
                 / (result["step_ms"] * 1e6),
             )
         return result
@@ -243,11 +301,13 @@ def meta() -> Dict:
         except Exception:  # noqa: BLE001
             return ""
 
+    import peft
     import transformers
 
     return dict(commit=os.environ.get("CKPT_OFFLOAD_COMMIT") or sh(["git", "rev-parse", "HEAD"]),
                 gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                 cuda=torch.version.cuda, transformers=transformers.__version__,
+                peft=peft.__version__, peers=os.environ.get("CKPT_OFFLOAD_PEERS", ""),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
@@ -352,21 +412,24 @@ def markdown_table(report) -> str:
     m = report["meta"]
     lines = [f"GPU {m['gpu']}, torch {m['torch']}, transformers {m['transformers']}, "
              f"commit {m['commit'][:12]}, {m['date']}", "",
-             "| model | seq | mode | step ms | overhead % | act peak GiB | offloaded frac | "
-             "host reserved GiB | pinned allocs after warm-up | exposed wait ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| model | seq | mode | step ms | overhead % | act peak GiB | reserved peak GiB | "
+             "offloaded frac | head GiB | host reserved GiB | pinned allocs after warm-up | "
+             "exposed wait ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(value, spec):
         return format(value, spec) if isinstance(value, (int, float)) else "—"
 
     for r in report["runs"]:
         if "error" in r:
-            lines.append(f"| {r['model']} | {r['seq']} | {r['mode']} | {r['error']} |||||||")
+            lines.append(f"| {r['model']} | {r['seq']} | {r['mode']} | {r['error']} |||||||||")
             continue
         lines.append("| " + " | ".join([
             r["model"], str(r["seq"]), r["mode"], fmt(r["step_ms"], ".0f"),
             fmt(r.get("overhead_pct"), "+.2f"), fmt(r["act_peak_gib"], ".2f"),
-            fmt(r.get("offloaded_fraction"), ".3f"), fmt(r.get("host_reserved_gib"), ".2f"),
+            fmt(r.get("reserved_peak_gib"), ".2f"),
+            fmt(r.get("offloaded_fraction"), ".3f"), fmt(r.get("head_offloaded_gib"), ".2f"),
+            fmt(r.get("host_reserved_gib"), ".2f"),
             fmt(r.get("pinned_allocs_after_warmup"), "d"), fmt(r.get("exposed_wait_ms"), ".1f"),
         ]) + " |")
     return "\n".join(lines) + "\n"

@@ -6,6 +6,7 @@ set -uo pipefail
 LOGS=/tmp/gpu_logs
 rm -rf "$LOGS" && mkdir -p "$LOGS"
 export CKPT_OFFLOAD_PEERS_DIR="$(pwd)/.peers" PYTHONUNBUFFERED=1
+export CKPT_OFFLOAD_PEERS="$(cat .peers/VERSIONS 2>/dev/null)"
 status=0
 installed=0
 install_once() {

@@ -48,18 +48,24 @@ def assert_same(reference, got):
         assert torch.equal(value, got[1][name]), name
 
 
-@pytest.mark.parametrize("keep_last,prefetch_depth", [(0, 0), (1, 1), (2, 2), (1, 0)])
-def test_llama_like_bf16_bit_identical(keep_last, prefetch_depth):
+@pytest.mark.parametrize("keep_last,prefetch_depth,offload_head", [
+    (0, 0, True), (1, 1, True), (2, 2, True), (1, 0, True), (1, 1, False), (2, 1, False)])
+def test_llama_like_bf16_bit_identical(keep_last, prefetch_depth, offload_head):
     model = make_llama_stack(layers=6, hidden=256, heads=4, ffn=512, dtype=torch.bfloat16).cuda()
     x = torch.randn(2, 512, 256, device="cuda", dtype=torch.bfloat16)
     reference = step(model, x, plain_ckpt)
     got = step(model, x, ckpt_offload.checkpoint,
-               dict(keep_last=keep_last, prefetch_depth=prefetch_depth, **CUDA))
+               dict(keep_last=keep_last, prefetch_depth=prefetch_depth,
+                    offload_head=offload_head, **CUDA))
     assert_same(reference, got)
     stats = got[2].stats()
-    assert stats["offloaded_tensors"] == 6 - keep_last
-    assert stats["restored_tensors"] == 6 - keep_last
-    assert stats["kept_resident_tensors"] == keep_last
+    # The head (its Linear's input, triggered by the weight) releases the kept layers.
+    kept = 0 if offload_head else keep_last
+    assert stats["offloaded_tensors"] == 6 - kept
+    assert stats["restored_tensors"] == 6 - kept
+    assert stats["kept_resident_tensors"] == kept
+    assert (stats["head_offloaded_tensors"] > 0) == offload_head
+    assert stats["head_restored_tensors"] == stats["head_offloaded_tensors"]
 
 
 def test_mlp_bf16_bit_identical_under_a_non_default_stream():
@@ -73,7 +79,8 @@ def test_mlp_bf16_bit_identical_under_a_non_default_stream():
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     assert_same(reference, got)
-    assert got[2].stats()["offloaded_tensors"] == 7
+    assert got[2].stats()["offloaded_tensors"] == 8  # the kept one released by the head
+    assert got[2].stats()["head_restored_tensors"] == got[2].stats()["head_offloaded_tensors"] > 0
 
 
 class Wide(nn.Module):
@@ -199,3 +206,41 @@ def test_exception_mid_forward_on_gpu_cleans_up():
     assert engine.stats()["host_live_bytes"] == 0
     assert_same(step(model, x, plain_ckpt),
                 step(model, x, ckpt_offload.checkpoint, dict(keep_last=1, **CUDA)))
+
+
+def test_language_model_head_bf16_bit_identical_and_restored_ahead():
+    """The final norm's float32 input leaves the device and is back, restored when backward
+    reached the LM head's weight, before the norm's backward; the kept layer goes too."""
+    from models import LanguageModel, batch
+
+    torch.manual_seed(0)
+    model = LanguageModel(layers=6).cuda()
+    x, labels = batch(seq=1024)
+    x, labels = x.cuda(), labels.cuda()
+
+    def run(engine_kwargs):
+        model.zero_grad(set_to_none=True)
+        log = {}
+        if engine_kwargs is None:
+            loss = model(x, labels, plain_ckpt)
+            loss.backward()
+            engine = None
+        else:
+            with ckpt_offload.offload_activations(**engine_kwargs) as engine:
+                loss = model(x, labels, ckpt_offload.checkpoint, engine, log)
+                loss.backward()
+        torch.cuda.synchronize()
+        return loss.detach(), grads(model), engine, log
+
+    reference = run(None)
+    for _ in range(2):
+        got = run(dict(keep_last=1, prefetch_depth=1, backend="cuda", min_offload_bytes=4096))
+        assert_same(reference, got)
+    stats, log = got[2].stats(), got[3]
+    assert stats["head_offloaded_tensors"] == stats["head_restored_tensors"] == 1
+    assert stats["offloaded_tensors"] == 6 and stats["kept_resident_tensors"] == 0
+    assert log["backward_start"]["head_restored_tensors"] == 0
+    assert log["backward_start"]["device_held_bytes"] == 0  # EndForward drained the copies
+    assert log["before_norm_backward"]["head_restored_tensors"] == 1
+    print("head step stats:", {k: stats[k] for k in (
+        "offloaded_tensors", "head_offloaded_bytes", "prefetched_tensors", "exposed_wait_ms")})

@@ -78,3 +78,79 @@ def make_llama_stack(layers=4, hidden=64, heads=4, ffn=128, seed=0, dtype=torch.
 
 def grads(model):
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+# A language model's shape after the checkpointed layers (tests/torch_plugin/head_test.py).
+LM_HIDDEN = 64
+LM_VOCAB = 1024
+LM_SEQ = 48
+
+
+class FrozenRMSNorm(nn.Module):
+    """transformers' LlamaRMSNorm, with its weight frozen as under LoRA."""
+
+    def __init__(self, hidden, eps=1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        variance = x.pow(2).mean(-1, keepdim=True)
+        x = x * torch.rsqrt(variance + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class StatsProbe(torch.autograd.Function):
+    """Identity whose backward records the engine's figures at that point of backward.
+
+    On a scalar (the loss) it saves it, so that its backward begins with an unpack, as
+    autograd's own first node would."""
+
+    @staticmethod
+    def forward(ctx, x, engine, log, label):
+        if x.dim() == 0:
+            ctx.save_for_backward(x)
+        ctx.engine, ctx.log, ctx.label = engine, log, label
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.saved_tensors  # noqa: B018 - the unpack is the point
+        ctx.log[ctx.label] = dict(ctx.engine.stats()) if ctx.engine is not None else {}
+        return grad, None, None, None
+
+
+class LanguageModel(nn.Module):
+    """Checkpointed layers, then a language model's head: final RMSNorm (saves its input in
+    float32, twice a bfloat16 hidden state), a frozen LM head and a cross-entropy loss (saves
+    vocabulary-sized log-probabilities). Probes mark the head's backward stages."""
+
+    def __init__(self, layers=4):
+        super().__init__()
+        self.stack = make_llama_stack(layers=layers, hidden=LM_HIDDEN, heads=4, ffn=128,
+                                      dtype=torch.bfloat16)
+        torch.manual_seed(3)
+        self.norm = FrozenRMSNorm(LM_HIDDEN).to(torch.bfloat16)
+        self.lm_head = nn.Linear(LM_HIDDEN, LM_VOCAB, bias=False).to(torch.bfloat16)
+        self.lm_head.weight.requires_grad_(False)  # frozen, as with LoRA
+
+    def forward(self, x, labels, layer_call, engine=None, log=None):
+        log = {} if log is None else log
+        for layer in self.stack.layers:
+            x = layer_call(layer, x)
+        h = self.norm(x)
+        # Between the LM head's backward and the norm's: the head tensors must be back.
+        h = StatsProbe.apply(h, engine, log, "before_norm_backward")
+        logits = self.lm_head(h).float()
+        loss = F.cross_entropy(logits.view(-1, LM_VOCAB), labels.view(-1))
+        # The first node of backward: the loss's.
+        return StatsProbe.apply(loss, engine, log, "backward_start")
+
+
+def batch(seed=0, seq=LM_SEQ):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, seq, LM_HIDDEN, generator=generator).to(torch.bfloat16)
+    labels = torch.randint(0, LM_VOCAB, (2, seq), generator=generator)
+    return x, labels

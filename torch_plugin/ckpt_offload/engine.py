@@ -79,6 +79,7 @@ class OffloadEngine:
                 "nested (enter one per training step)")
         if self._offloader is not None:
             self._offloader.reset_stats()
+            self._offloader.begin_step()
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 self._offloader.pack, self._offloader.unpack)
             self._hooks.__enter__()

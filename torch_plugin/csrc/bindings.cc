@@ -137,6 +137,7 @@ PYBIND11_MODULE(_C, m) {
             return self.IneligibleReason(THPVariable_Unpack(obj.ptr()));
           },
           py::arg("tensor"))
+      .def("begin_step", &TensorOffloader::BeginStep)
       .def("reset", &TensorOffloader::Reset)
       .def("synchronize", &TensorOffloader::Synchronize)
       .def("stats", [](const TensorOffloader& self) { return StatsDict(self.stats()); })

@@ -532,6 +532,12 @@ void TensorOffloader::Discard(EntryId entry, const c10::StorageImpl* key,
   (void)holder;
 }
 
+void TensorOffloader::BeginStep() {
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  forward_open_.store(false);
+  StartForwardLocked();
+}
+
 void TensorOffloader::Reset() {
   absl::Status status = absl::OkStatus();
   {

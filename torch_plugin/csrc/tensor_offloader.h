@@ -149,6 +149,9 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   // Why `tensor` would not be offloaded, or empty when it would (ignores marking).
   std::string IneligibleReason(const at::Tensor& tensor) const;
 
+  // A new training step begins (the context's entry): forgets the head state of a forward
+  // that saw no backward (an evaluation with grad enabled).
+  void BeginStep();
   void Reset();        // throws c10::Error with the device's text when draining failed
   void Synchronize();  // settles in-flight copies and figures
   OffloaderStats stats() const;
