@@ -20,8 +20,10 @@ def plot_overhead(runs, path):
         key = f"{r['model']} s{r['seq']}"
         if key not in configs:
             configs.append(key)
-    modes = [m for m in ("ckpt_offload", "save_on_cpu", "trl_offload")
-             if any(r["mode"] == m for r in runs)]
+    modes = []
+    for r in runs:  # every mode but the baseline, in the order they ran
+        if r["mode"] != "ckpt" and r["mode"] not in modes:
+            modes.append(r["mode"])
     width = 0.8 / max(1, len(modes))
     fig, ax = plt.subplots(figsize=(1.6 * len(configs) + 3, 4))
     for i, mode in enumerate(modes):
