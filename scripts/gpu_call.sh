@@ -31,6 +31,10 @@ for job in "$@"; do
       # shellcheck disable=SC2086
       (cd tests && python3 -m pytest -q -s -p no:cacheprovider ${job#pytest:}) 2>&1 \
         | tee -a "$LOGS/pytest.log" || status=1 ;;
+    py:*)
+      install_once
+      # shellcheck disable=SC2086
+      (cd tests && python3 ${job#py:}) 2>&1 | tee -a "$LOGS/py.log" || status=1 ;;
     bench:*)
       install_once
       mkdir -p "$LOGS/bench"
