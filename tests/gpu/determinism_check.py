@@ -54,7 +54,12 @@ def run(variant, steps):
 
 
 def main():
-    steps = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    steps = int(sys.argv[1]) if len(sys.argv) > 1 and sys.argv[1].isdigit() else 30
+    if "--math" in sys.argv:  # deterministic attention (the fused kernels' backward is not)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa_kernel(SDPBackend.MATH).__enter__()
+        print("SDPA: math")
     variants = [
         ("no offload (control)", None),
         ("offload, offload_head=False", dict(keep_last=1, backend="cuda", offload_head=False)),
