@@ -335,6 +335,10 @@ def main(argv=None):
     parser.add_argument("--modes", default="ckpt,ckpt_offload,save_on_cpu,peers")
     parser.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--min_timed_seconds", type=float, default=3.0,
+                        help="short steps are timed more often: at least this long per mode "
+                             "(the count comes from a calibration run of plain checkpointing, "
+                             "the same for every mode of a config)")
     parser.add_argument("--var_steps", type=int, default=20)
     parser.add_argument("--var_range", default="16384:32768")
     parser.add_argument("--memory_plot_config", default="",
@@ -356,10 +360,12 @@ def main(argv=None):
             seqs = [high] + [int(torch.randint(low, high + 1, (1,), generator=generator))
                              for _ in range(args.var_steps - 1)]
             warmup = 1
+            model = build_model(shape, max(seqs))
         else:
-            seqs = [seq] * (args.warmup + args.steps)
+            model = build_model(shape, seq)
+            steps = timed_steps(model, shape, seq, args.steps, args.min_timed_seconds)
+            seqs = [seq] * (args.warmup + steps)
             warmup = args.warmup
-        model = build_model(shape, max(seqs))
         modes: List[Mode] = []
         if "ckpt" in wanted:
             modes.append(Mode())
@@ -397,6 +403,19 @@ def main(argv=None):
         torch.cuda.empty_cache()
     print(markdown_table(write_report(args, runs)))
     return 0
+
+
+def timed_steps(model, shape: str, seq: int, minimum: int, min_seconds: float) -> int:
+    """How many steps to time per mode: `minimum`, or more for steps so short that a few of
+    them do not outlast the GPU's and the host's noise. Two plain steps calibrate it (and
+    warm the GPU up before the first mode is timed)."""
+    ids = torch.randint(0, SHAPES[shape]["vocab_size"], (1, seq),
+                        generator=torch.Generator().manual_seed(99)).cuda()
+    step_ms = train_step(model, ids, Mode())[0]
+    if step_ms * minimum >= min_seconds * 1e3:
+        return minimum  # long steps: one calibration step is enough
+    step_ms = min(step_ms, train_step(model, ids, Mode())[0])  # the first one warmed up
+    return max(minimum, min(30, int(min_seconds * 1e3 / step_ms) + 1))
 
 
 def write_report(args, runs) -> Dict:
