@@ -17,9 +17,9 @@ def plain_ckpt(layer, x):
     return torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
 
 
-def step(model, engine_kwargs=None, seed=0):
+def step(model, engine_kwargs=None, seed=0, seq=SEQ):
     model.zero_grad(set_to_none=True)
-    x, labels = batch(seed)
+    x, labels = batch(seed, seq)
     log = {}
     if engine_kwargs is None:
         loss = model(x, labels, plain_ckpt)
@@ -129,3 +129,20 @@ def test_head_tensors_between_layers_wait_for_no_later_group():
                 assert torch.equal(reference_grads[name], got[name]), name
             assert engine.stats()["head_offloaded_tensors"] == 0
             assert engine.stats()["offloaded_tensors"] == 3
+
+
+def test_a_trainable_weights_transpose_is_a_trigger_not_a_head_tensor():
+    # A full fine-tune's LM head saves its input and its weight's transpose, a view of a
+    # parameter that stays on the device anyway: the input and the norm's input are copied
+    # out, the transpose is not.
+    # At 256 tokens the transpose (1024 x 64 bfloat16, 128 KiB) is within the size a head
+    # tensor may have (twice a 64 KiB layer input).
+    model = LanguageModel()
+    model.lm_head.weight.requires_grad_(True)
+    reference = step(model, seq=256)
+    got = step(model, dict(keep_last=1, **HOST), seq=256)
+    assert_same(reference, got)
+    stats = got[2].stats()
+    assert stats["head_offloaded_tensors"] == 2
+    # The norm's float32 input and the LM head's bfloat16 input; no 128 KiB transpose.
+    assert stats["head_offloaded_bytes"] == 2 * 256 * HIDDEN * (4 + 2)

@@ -378,8 +378,13 @@ std::shared_ptr<PackedTensor> TensorOffloader::PackUngrouped(const at::Tensor& t
       if (!started.ok()) ThrowStatus("starting a checkpoint group's copies", started);
     }
     const int64_t bytes = end - begin;
-    if (may_offload && !tensor.is_leaf() && head_entries_ + static_cast<int>(head_pending_.size()) <
-                                 kMaxHeadEntries &&
+    // Produced by autograd, and not a view of a leaf: a trainable weight's transpose
+    // (saved by a full fine-tune's LM head) lives on in its parameter, so copying it out
+    // would free nothing.
+    const bool activation =
+        !tensor.is_leaf() && !(tensor.is_view() && tensor._base().is_leaf());
+    if (may_offload && activation &&
+        head_entries_ + static_cast<int>(head_pending_.size()) < kMaxHeadEntries &&
         bytes <= 2 * largest_group_entry_bytes_ && IneligibleReason(tensor).empty()) {
       candidate = std::make_shared<OffloadedStorage>(shared_from_this(), /*entry=*/0,
                                                      tensor.storage(), begin, end,

@@ -14,7 +14,8 @@
 //   copies, so their device memory is free before the loss's backward allocates.
 // - Head (offload_head): tensors saved after a checkpoint group ended and before the next
 //   one began (the final norm, LM head and loss of a language model) that are produced by
-//   autograd (not leaves: no parameters, labels or buffers), eligible, and at most twice
+//   autograd (not leaves, nor views of leaves: no parameters or their transposes, labels or
+//   buffers), eligible, and at most twice
 //   the forward's largest checkpoint-input entry (hidden-state sized: the logits stay), at
 //   most kMaxHeadEntries per forward. Such a candidate is copied out only once a later
 //   saved tensor of at least min_offload_bytes (its *trigger*, on another storage) comes,
