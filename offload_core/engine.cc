@@ -304,6 +304,33 @@ struct OffloadEngine::Impl {
     return issued;
   }
 
+  // A group begins after backward started: a new forward (next micro-batch or step).
+  void LeaveBackward() {
+    if (!in_backward) return;
+    in_backward = false;
+    pending.clear();
+    EraseEmptyGroups();
+  }
+
+  // Starts the copies of the oldest pending groups until at most `keep` are left.
+  absl::Status OffloadPendingBeyond(size_t keep, StreamHandle compute) {
+    while (pending.size() > keep) {
+      GroupId oldest = pending.front();
+      pending.pop_front();
+      CKPT_RETURN_IF_ERROR(StartOffload(oldest, compute));
+    }
+    return absl::OkStatus();
+  }
+
+  // An entry of `group` is offloaded and has never been restored.
+  bool WaitsForRestore(const Group& group) const {
+    for (EntryId id : group.entries) {
+      const Entry& entry = entries.at(id);
+      if (!entry.discarded && NeedsRestore(entry) && !entry.restored_once) return true;
+    }
+    return false;
+  }
+
   // Forward ended: the current forward's pending groups stay on the device.
   void EnterBackward() {
     if (in_backward) return;
@@ -438,13 +465,11 @@ struct OffloadEngine::Impl {
     int counted = 0;
     for (auto it = std::make_reverse_iterator(groups.lower_bound(gid));
          it != groups.rend() && counted < options.prefetch_depth; ++it) {
-      bool waiting = false;  // offloaded and never restored
-      bool issued = false;   // already prefetched, not yet acquired
+      const bool waiting = WaitsForRestore(it->second);
+      bool issued = false;  // already prefetched, not yet acquired
       for (EntryId id : it->second.entries) {
         const Entry& entry = entries.at(id);
-        if (entry.discarded) continue;
-        if (NeedsRestore(entry) && !entry.restored_once) waiting = true;
-        if (entry.restore != nullptr) issued = true;
+        if (!entry.discarded && entry.restore != nullptr) issued = true;
       }
       if (!waiting && !issued) continue;
       counted++;
@@ -643,19 +668,11 @@ absl::StatusOr<GroupId> OffloadEngine::BeginGroup(StreamHandle compute) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
   CKPT_RETURN_IF_ERROR(s.Poll());
-  if (s.in_backward) {
-    s.in_backward = false;  // a new forward (next micro-batch or step)
-    s.pending.clear();
-    s.EraseEmptyGroups();
-  }
+  s.LeaveBackward();
   // The groups that fall out of the keep_last window once this one joins it start their
   // copies first, so a failure leaves no group the caller never heard of.
-  while (!s.pending.empty() &&
-         static_cast<int>(s.pending.size()) + 1 > s.options.keep_last) {
-    GroupId oldest = s.pending.front();
-    s.pending.pop_front();
-    CKPT_RETURN_IF_ERROR(s.StartOffload(oldest, compute));
-  }
+  const int keep = std::max(s.options.keep_last - 1, 0);
+  CKPT_RETURN_IF_ERROR(s.OffloadPendingBeyond(static_cast<size_t>(keep), compute));
   GroupId gid = s.next_group++;
   Group& group = s.groups[gid];
   s.counters.groups++;
@@ -671,11 +688,7 @@ absl::StatusOr<GroupId> OffloadEngine::BeginEagerGroup() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
   CKPT_RETURN_IF_ERROR(s.Poll());
-  if (s.in_backward) {
-    s.in_backward = false;  // a new forward, as in BeginGroup
-    s.pending.clear();
-    s.EraseEmptyGroups();
-  }
+  s.LeaveBackward();
   GroupId gid = s.next_group++;
   Group& group = s.groups[gid];
   group.eager = true;
@@ -689,12 +702,9 @@ absl::Status OffloadEngine::PrefetchGroup(GroupId gid, StreamHandle compute) {
   CKPT_RETURN_IF_ERROR(s.Poll());
   auto it = s.groups.find(gid);
   if (it == s.groups.end()) return absl::OkStatus();
-  bool waiting = false;
-  for (EntryId id : it->second.entries) {
-    const Entry& entry = s.entries.at(id);
-    if (!entry.discarded && Impl::NeedsRestore(entry) && !entry.restored_once) waiting = true;
+  if (s.WaitsForRestore(it->second)) {
+    CKPT_RETURN_IF_ERROR(s.IssueRestore(gid, compute, /*prefetch=*/true));
   }
-  if (waiting) CKPT_RETURN_IF_ERROR(s.IssueRestore(gid, compute, /*prefetch=*/true));
   return s.Prefetch(gid, compute);
 }
 
@@ -703,12 +713,7 @@ absl::Status OffloadEngine::OffloadPendingGroups(StreamHandle compute) {
   Impl& s = *impl_;
   CKPT_RETURN_IF_ERROR(s.Poll());
   if (s.in_backward) return absl::OkStatus();
-  while (!s.pending.empty()) {
-    GroupId oldest = s.pending.front();
-    s.pending.pop_front();
-    CKPT_RETURN_IF_ERROR(s.StartOffload(oldest, compute));
-  }
-  return absl::OkStatus();
+  return s.OffloadPendingBeyond(0, compute);
 }
 
 absl::Status OffloadEngine::EndForward() {

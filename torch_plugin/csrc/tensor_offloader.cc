@@ -25,6 +25,18 @@ std::pair<int64_t, int64_t> StorageSpan(const at::Tensor& tensor) {
   return {begin, begin + (last + 1) * itemsize};
 }
 
+// What Unpack needs to rebuild `tensor` from the storage `holder` keeps (span from `begin`).
+std::shared_ptr<PackedTensor> MakePacked(const at::Tensor& tensor, int64_t begin,
+                                         std::shared_ptr<OffloadedStorage> holder) {
+  auto packed = std::make_shared<PackedTensor>();
+  packed->sizes = tensor.sizes().vec();
+  packed->strides = tensor.strides().vec();
+  packed->storage_offset_bytes = begin;
+  packed->dtype = tensor.scalar_type();
+  packed->storage = std::move(holder);
+  return packed;
+}
+
 [[noreturn]] void ThrowStatus(const char* what, const absl::Status& status) {
   TORCH_CHECK(false, "ckpt_offload: ", what, " failed: ", status.ToString());
 }
@@ -245,11 +257,6 @@ std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
   const auto [begin, end] = StorageSpan(tensor);
   // Another view of a storage already offloaded: share its copy.
   if (auto shared = SharedView(tensor, begin, end)) return shared;
-  auto packed = std::make_shared<PackedTensor>();
-  packed->sizes = tensor.sizes().vec();
-  packed->strides = tensor.strides().vec();
-  packed->storage_offset_bytes = begin;
-  packed->dtype = tensor.scalar_type();
 
   EntryId entry = 0;
   {
@@ -285,8 +292,7 @@ std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
     if (released_early_.erase(entry) == 0) sources_.emplace(entry, tensor);
     by_storage_[key] = holder;
   }
-  packed->storage = std::move(holder);
-  return packed;
+  return MakePacked(tensor, begin, std::move(holder));
 }
 
 c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& device,
@@ -317,13 +323,7 @@ std::shared_ptr<PackedTensor> TensorOffloader::SharedView(const at::Tensor& tens
     return nullptr;
   }
   shared_hits_.fetch_add(1, std::memory_order_relaxed);
-  auto packed = std::make_shared<PackedTensor>();
-  packed->sizes = tensor.sizes().vec();
-  packed->strides = tensor.strides().vec();
-  packed->storage_offset_bytes = begin;
-  packed->dtype = tensor.scalar_type();
-  packed->storage = std::move(holder);
-  return packed;
+  return MakePacked(tensor, begin, std::move(holder));
 }
 
 void TensorOffloader::PackForeign(const at::Tensor& tensor) {
@@ -406,13 +406,7 @@ std::shared_ptr<PackedTensor> TensorOffloader::PackUngrouped(const at::Tensor& t
     if (candidate) by_storage_[tensor.storage().unsafeGetStorageImpl()] = candidate;
   }
   if (!candidate) return skip();
-  auto packed = std::make_shared<PackedTensor>();
-  packed->sizes = tensor.sizes().vec();
-  packed->strides = tensor.strides().vec();
-  packed->storage_offset_bytes = begin;
-  packed->dtype = tensor.scalar_type();
-  packed->storage = std::move(candidate);
-  return packed;
+  return MakePacked(tensor, begin, std::move(candidate));
 }
 
 GroupId TensorOffloader::OfferHeadLocked(OffloadedStorage& candidate) {
