@@ -1,7 +1,7 @@
 """GPU soak (tag gpu): many steps of a Llama-like stack with changing sequence lengths,
 gradient accumulation and periodic evals. Every micro-batch's loss and gradients equal a
-plain-checkpointing run of the same model, GPU allocated memory returns to its baseline after every step, and the
-host pool stops growing after the first full-length step.
+plain-checkpointing run of the same model, GPU allocated memory returns to its baseline
+after every step, and the host pool stops growing after the first full-length step.
 
     CKPT_SOAK_STEPS=200 python -m pytest -s tests/gpu/soak_gpu_test.py
 """
