@@ -98,7 +98,10 @@ def train(offload, args, on_gpu):
     if offload_callback is not None:
         totals = offload_callback.final_totals  # summed over micro-steps, set at train end
         steps = max(1, totals.get("micro_steps", 1))
-        stats = {key: totals.get(key, 0) / steps for key in ("offloaded_bytes", "restored_bytes")}
+        # Layer inputs and the model's head, each way.
+        stats = {direction: (totals.get(f"{direction}_bytes", 0)
+                             + totals.get(f"head_{direction}_bytes", 0)) / steps
+                 for direction in ("offloaded", "restored")}
     return meter, stats
 
 
@@ -126,8 +129,8 @@ def main(argv=None):
             "ckpt_offload" if offload else "checkpointing only",
             f"{statistics.median(timed) * 1e3:.1f}",
             f"{max(meter.peaks) / 2**20:.1f}" if meter.peaks else "n/a (CPU)",
-            f"{stats.get('offloaded_bytes', 0) / 2**20:.1f}",
-            f"{stats.get('restored_bytes', 0) / 2**20:.1f}",
+            f"{stats.get('offloaded', 0) / 2**20:.1f}",
+            f"{stats.get('restored', 0) / 2**20:.1f}",
         ))
     header = ("run", "step ms (median)", "peak act. MiB", "offloaded MiB/step",
               "restored MiB/step")
