@@ -2,6 +2,9 @@
 training step (ckpt vs ckpt_offload).
 
     python benchmarks/plot_results.py benchmarks/results/gpu_bench_<date>.json ...
+
+Files are read in the order given; where a config and mode ran more than once, the last
+file's run is plotted.
 """
 
 import argparse
@@ -31,7 +34,8 @@ def plot_overhead(runs, path):
         for key in configs:
             match = [r for r in runs if f"{r['model']} s{r['seq']}" == key and r["mode"] == mode
                      and "overhead_pct" in r]
-            values.append(match[0]["overhead_pct"] if match else float("nan"))
+            # The latest run of a config and mode wins (files are given oldest first).
+            values.append(match[-1]["overhead_pct"] if match else float("nan"))
         xs = [c + (i - (len(modes) - 1) / 2) * width for c in range(len(configs))]
         bars = ax.bar(xs, values, width, label=mode)
         for bar, value in zip(bars, values):
