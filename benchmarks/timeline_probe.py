@@ -130,8 +130,8 @@ def main(argv=None):
              "ckpt_offload_no_head": lambda: _no_head()}
     report = dict(meta=gpu_bench.meta(), config=args.config, modes={})
     names = args.modes.split(",")
-    # Every mode is timed before anything is profiled: at 1B s4k (host-bound) steps timed
-    # after another mode's profiled step ran ~1.6x the benchmark's time for the same mode.
+    # Every mode is timed before anything is profiled: at 1B s4k (host-bound) the mode timed
+    # right after another mode's profiled step ran 1.7x its benchmark time.
     timed = {}
     for name in names:
         mode = modes[name]()
