@@ -1003,6 +1003,18 @@ TEST_F(EngineTest, ReclaimedEntryDiscardedAfterItsCopyGoesStraightBackToTheCalle
   EXPECT_EQ(harness.sim().bytes_copied_to_device(), kB);
 }
 
+// The backward of a forward whose copies all completed before it: every offloaded layer
+// (all but the kept last of `layers`) is restored by a copy, none reclaimed.
+void ExpectBackwardRestoresEveryOffloadedLayer(EngineHarness& harness, SavedLayers* saved,
+                                               const StepPlan& plan, int layers) {
+  ASSERT_TRUE(harness.Backward(saved, plan.backward_us).ok());
+  EXPECT_EQ(harness.DrainAndCheck(), static_cast<size_t>(layers - 1));
+  harness.ExpectQuiescent();
+  const EngineStats stats = harness.engine().stats();
+  EXPECT_EQ(stats.reclaimed_tensors, 0);
+  EXPECT_EQ(stats.restored_tensors, layers - 1);
+}
+
 TEST_F(EngineTest, PrefetchZeroFirstAcquireDrainsTheForwardCopies) {
   // keep_last 1, prefetch 0, L = 5 layers of one entry (C = 10 us), F = 20 us, Bk = 5 us.
   // Relative to the step's start, group k copies out over [(k + 1) * F, (k + 1) * F + C];
@@ -1053,13 +1065,8 @@ TEST_F(EngineTest, PrefetchZeroFirstAcquireDrainsTheForwardCopies) {
     EXPECT_FALSE(harness.engine().Discard(last.entry));
     harness.client().CallerDropped(last.entry);
     saved[kLayers - 1][0].entry = 0;
-    ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
-    EXPECT_EQ(harness.DrainAndCheck(), static_cast<size_t>(kLayers - 1));
-    harness.ExpectQuiescent();
-    const EngineStats stats = harness.engine().stats();
-    EXPECT_EQ(stats.reclaimed_tensors, 0);
-    EXPECT_EQ(stats.restored_tensors, kLayers - 1);
-    EXPECT_EQ(stats.offloaded_tensors, kLayers - 1);
+    ExpectBackwardRestoresEveryOffloadedLayer(harness, &saved, plan, kLayers);
+    EXPECT_EQ(harness.engine().stats().offloaded_tensors, kLayers - 1);
   }
   EXPECT_EQ(harness.sim().bytes_copied_to_device(), 2 * (kLayers - 1) * kB);
 }
@@ -1093,12 +1100,7 @@ TEST_F(EngineTest, EndForwardDrainsTheForwardCopiesForEveryPrefetchDepth) {
       EXPECT_EQ(harness.engine().stats().device_held_bytes, 0u);
       ASSERT_TRUE(harness.engine().EndForward().ok());  // only the first call waits
       ExpectNear(harness.sim().host_time_us() - t0, 90, "a second EndForward returned at");
-      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
-      EXPECT_EQ(harness.DrainAndCheck(), static_cast<size_t>(kLayers - 1));
-      harness.ExpectQuiescent();
-      const EngineStats stats = harness.engine().stats();
-      EXPECT_EQ(stats.reclaimed_tensors, 0);
-      EXPECT_EQ(stats.restored_tensors, kLayers - 1);
+      ExpectBackwardRestoresEveryOffloadedLayer(harness, &saved, plan, kLayers);
     }
   }
 }
