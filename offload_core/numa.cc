@@ -12,11 +12,17 @@
 // - MPOL_PREFERRED rather than MPOL_BIND: a full node spills to its neighbours instead of
 //   failing the allocation (or waking the OOM killer), so placement never costs memory
 //   the pool could otherwise have had.
+// - No libnuma: mbind, set_mempolicy and get_mempolicy are system calls, and libnuma's
+//   functions of those names only forward to them. Calling them directly (with the
+//   kernel's <linux/mempolicy.h>, which every libc development install has) leaves
+//   nothing for the build to find and nothing to be missing at run time, so placement is
+//   always compiled in; on a kernel without NUMA the calls fail and the reason says so.
 #include "offload_core/numa.h"
 
 #include <fcntl.h>
-#include <numaif.h>
+#include <linux/mempolicy.h>
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -48,6 +54,21 @@ constexpr size_t kMaxSysfsFileBytes = 4096;
 #endif
 
 std::string ErrnoText(int err) { return std::strerror(err); }
+
+// The memory-policy system calls (see the design note): 0 on success, else -1 and errno.
+int Mbind(void* start, size_t len, int mode, const unsigned long* nodemask,
+          unsigned long maxnode, unsigned flags) {
+  return static_cast<int>(syscall(SYS_mbind, start, len, mode, nodemask, maxnode, flags));
+}
+
+int SetMempolicy(int mode, const unsigned long* nodemask, unsigned long maxnode) {
+  return static_cast<int>(syscall(SYS_set_mempolicy, mode, nodemask, maxnode));
+}
+
+int GetMempolicy(int* mode, unsigned long* nodemask, unsigned long maxnode, void* address,
+                 unsigned long flags) {
+  return static_cast<int>(syscall(SYS_get_mempolicy, mode, nodemask, maxnode, address, flags));
+}
 
 // The whole (small) file at `path`. Uses read(2) so a directory or an unreadable file is an
 // error with the system's text rather than an empty string.
@@ -220,7 +241,7 @@ absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node,
   } else {
     unsigned long maxnode = 0;
     const std::vector<unsigned long> mask = MaskOf(*node, &maxnode);
-    if (mbind(ptr, mapped, MPOL_PREFERRED, mask.data(), maxnode, 0) == 0) {
+    if (Mbind(ptr, mapped, MPOL_PREFERRED, mask.data(), maxnode, 0) == 0) {
       outcome.placed = true;
     } else {
       const int err = errno;
@@ -251,14 +272,14 @@ ScopedPreferredNode::ScopedPreferredNode(std::optional<int> node) {
     return;
   }
   // Saved first: a policy that cannot be restored is not changed.
-  if (get_mempolicy(&saved_mode_, saved_mask_, kMaskWords * kBitsPerWord + 1, nullptr, 0) != 0) {
+  if (GetMempolicy(&saved_mode_, saved_mask_, kMaskWords * kBitsPerWord + 1, nullptr, 0) != 0) {
     const int err = errno;
     placement_.reason = absl::StrCat("get_mempolicy failed: ", ErrnoText(err));
     return;
   }
   unsigned long maxnode = 0;
   const std::vector<unsigned long> mask = MaskOf(*node, &maxnode);
-  if (set_mempolicy(MPOL_PREFERRED, mask.data(), maxnode) != 0) {
+  if (SetMempolicy(MPOL_PREFERRED, mask.data(), maxnode) != 0) {
     const int err = errno;
     placement_.reason = absl::StrCat("set_mempolicy(MPOL_PREFERRED, node ", *node,
                                      ") failed: ", ErrnoText(err));
@@ -272,12 +293,12 @@ ScopedPreferredNode::~ScopedPreferredNode() {
   if (!restore_) return;
   // The saved mode carries its flags, and its mask is empty for MPOL_DEFAULT and
   // MPOL_LOCAL, as set_mempolicy wants it back.
-  (void)set_mempolicy(saved_mode_, saved_mask_, kMaskWords * kBitsPerWord + 1);
+  (void)SetMempolicy(saved_mode_, saved_mask_, kMaskWords * kBitsPerWord + 1);
 }
 
 absl::StatusOr<int> NodeOfAddress(const void* address) {
   int node = -1;
-  if (get_mempolicy(&node, nullptr, 0, const_cast<void*>(address),
+  if (GetMempolicy(&node, nullptr, 0, const_cast<void*>(address),
                     MPOL_F_NODE | MPOL_F_ADDR) != 0) {
     const int err = errno;
     return absl::UnavailableError(absl::StrCat("get_mempolicy(MPOL_F_NODE | MPOL_F_ADDR) failed: ",
