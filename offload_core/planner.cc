@@ -9,6 +9,7 @@
 #include <memory>
 #include <utility>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -92,6 +93,8 @@ const std::map<std::string, FlagKind>& KnownFlags() {
       {"bidir_gbps", FlagKind::kValue}, {"gpus_per_node", FlagKind::kValue},
       {"keep_last", FlagKind::kValue},  {"prefetch_depth", FlagKind::kValue},
       {"max_inflight_d2h_groups", FlagKind::kValue},
+      {"name", FlagKind::kValue},       {"host_ram", FlagKind::kValue},
+      {"host_memory_limit", FlagKind::kValue},
       {"attention_flops", FlagKind::kBool},
       {"json", FlagKind::kBool},        {"help", FlagKind::kBool},
   };
@@ -247,6 +250,39 @@ const char* DTypeName(DType dtype) {
 
 size_t DTypeBytes(DType dtype) { return dtype == DType::kFp32 ? 4 : 2; }
 
+// --- Host memory ---------------------------------------------------------------------
+
+size_t DefaultHostMemoryLimit(size_t host_ram_bytes, int64_t local_ranks) {
+  return host_ram_bytes / 2 / static_cast<size_t>(std::max<int64_t>(local_ranks, 1));
+}
+
+absl::StatusOr<size_t> ParseByteSize(const std::string& flag, const std::string& value) {
+  static const auto* units = new std::map<std::string, double>{
+      {"", 1},       {"b", 1},      {"kb", 1e3},          {"mb", 1e6},
+      {"gb", 1e9},   {"tb", 1e12},  {"kib", 1024.0},      {"mib", 1048576.0},
+      {"gib", 1073741824.0},        {"tib", 1099511627776.0},
+  };
+  const auto bad = [&] {
+    return FlagError(flag, absl::StrCat("must be a byte count such as 2TiB, 512GB or 1000000, "
+                                        "got '", value, "'"));
+  };
+  size_t digits = 0;
+  while (digits < value.size() &&
+         (absl::ascii_isdigit(static_cast<unsigned char>(value[digits])) ||
+          value[digits] == '.')) {
+    ++digits;
+  }
+  const std::string number = value.substr(0, digits);
+  const auto unit = units->find(absl::AsciiStrToLower(value.substr(digits)));
+  double parsed = 0;
+  if (number.empty() || unit == units->end() || !absl::SimpleAtod(number, &parsed)) {
+    return bad();
+  }
+  const double bytes = parsed * unit->second;
+  if (!std::isfinite(bytes) || bytes < 1 || bytes > static_cast<double>(kMaxBytes)) return bad();
+  return static_cast<size_t>(bytes);
+}
+
 namespace {
 const std::vector<ModelShape>& Presets() {
   static const auto* presets = new std::vector<ModelShape>{
@@ -346,6 +382,15 @@ absl::Status ValidatePlanInput(const PlanInput& input) {
     return FlagError("seq", "x --batch x --hidden x dtype bytes x --layers x --gpus_per_node "
                             "is too large to count in bytes");
   }
+  const std::pair<const char*, size_t> host_sizes[] = {
+      {"host_ram", input.host_ram_bytes},
+      {"host_memory_limit", input.host_memory_limit_bytes},
+  };
+  for (const auto& [flag, value] : host_sizes) {
+    if (value > kMaxBytes) {
+      return FlagError(flag, absl::StrCat("must be at most 2^62 bytes, got ", value));
+    }
+  }
   return absl::OkStatus();
 }
 
@@ -368,6 +413,10 @@ std::string PlanUsage() {
       "  --d2h_gbps --h2d_gbps --bidir_gbps\n"
       "                            PCIe GB/s per direction and both at once (55/55/97)\n"
       "  --gpus_per_node=N         for host bytes per node (default 8)\n"
+      "  --host_ram=SIZE           host RAM per node, e.g. 2TiB: adds the share offload needs\n"
+      "                            and the engine's default host limit per GPU\n"
+      "  --host_memory_limit=SIZE  host limit per GPU (default: half of --host_ram per GPU)\n"
+      "  --name=TEXT               the model's label in the output\n"
       "  --keep_last=N             layers kept on the GPU at the end of forward (default 1)\n"
       "  --prefetch_depth=N        layers restored ahead in backward (default 1)\n"
       "  --max_inflight_d2h_groups=N  layers copying out at once (default 2)\n"
@@ -430,6 +479,17 @@ absl::StatusOr<PlanRequest> ParsePlanArgs(const std::vector<std::string>& args) 
   }
   if (shape_overridden && values.count("preset") > 0) {
     input.model.name = absl::StrCat(input.model.name, " (modified)");
+  }
+  if (auto it = values.find("name"); it != values.end()) {
+    if (it->second.empty()) return FlagError("name", "must not be empty");
+    input.model.name = it->second;
+  }
+  if (auto it = values.find("host_ram"); it != values.end()) {
+    CKPT_ASSIGN_OR_RETURN(input.host_ram_bytes, ParseByteSize("host_ram", it->second));
+  }
+  if (auto it = values.find("host_memory_limit"); it != values.end()) {
+    CKPT_ASSIGN_OR_RETURN(input.host_memory_limit_bytes,
+                          ParseByteSize("host_memory_limit", it->second));
   }
   if (auto it = values.find("seq"); it != values.end()) {
     CKPT_ASSIGN_OR_RETURN(input.seq, ParsePositiveInt("seq", it->second));
@@ -501,6 +561,14 @@ absl::StatusOr<Plan> MakePlan(const PlanInput& input) {
   plan.gpu_bytes_saved = static_cast<size_t>(plan.offloaded_layers) * plan.bytes_per_layer;
   plan.host_bytes_per_gpu = plan.gpu_bytes_saved;
   plan.host_bytes_per_node = plan.host_bytes_per_gpu * static_cast<size_t>(input.gpus_per_node);
+  plan.host_limit_per_gpu = input.host_memory_limit_bytes > 0
+                                ? input.host_memory_limit_bytes
+                                : DefaultHostMemoryLimit(input.host_ram_bytes, input.gpus_per_node);
+  plan.layers_within_host_limit =
+      plan.host_limit_per_gpu == 0
+          ? plan.offloaded_layers
+          : std::min<int64_t>(plan.offloaded_layers,
+                              static_cast<int64_t>(plan.host_limit_per_gpu / plan.bytes_per_layer));
 
   double forward_flops = 2.0 * static_cast<double>(plan.params_per_layer) *
                          static_cast<double>(plan.tokens);
@@ -546,13 +614,36 @@ std::string FormatPlanTable(const PlanInput& input, const Plan& plan) {
       input.attention_flops ? " (attention counted)" : "", input.keep_last,
       input.prefetch_depth, FormatNumber(input.d2h_gbps), FormatNumber(input.h2d_gbps),
       FormatNumber(input.bidir_gbps));
-  const std::vector<std::pair<std::string, std::string>> rows = {
+  std::vector<std::pair<std::string, std::string>> rows = {
       {"hidden state per layer", FormatBytes(plan.bytes_per_layer)},
       {"layers offloaded", absl::StrCat(plan.offloaded_layers, " of ", m.layers)},
       {"GPU bytes saved", FormatBytes(plan.gpu_bytes_saved)},
       {"host bytes per GPU", FormatBytes(plan.host_bytes_per_gpu)},
       {absl::StrCat("host bytes per node (", input.gpus_per_node, " GPUs)"),
        FormatBytes(plan.host_bytes_per_node)},
+  };
+  if (input.host_ram_bytes > 0) {
+    rows.push_back({"host RAM per node",
+                    absl::StrCat(FormatBytes(input.host_ram_bytes), "  (offload needs ",
+                                 Percent(static_cast<double>(plan.host_bytes_per_node),
+                                         static_cast<double>(input.host_ram_bytes)),
+                                 ")")});
+  }
+  if (plan.host_limit_per_gpu > 0) {
+    const std::string source =
+        input.host_memory_limit_bytes > 0
+            ? "--host_memory_limit"
+            : absl::StrCat("default: half of RAM / ", input.gpus_per_node, " GPUs");
+    const std::string fit =
+        plan.layers_within_host_limit == plan.offloaded_layers
+            ? absl::StrCat("all ", plan.offloaded_layers, " offloaded layers fit")
+            : absl::StrCat("only ", plan.layers_within_host_limit, " of ", plan.offloaded_layers,
+                           " offloaded layers fit, the rest stay on the GPU");
+    rows.push_back({"host limit per GPU",
+                    absl::StrCat(FormatBytes(plan.host_limit_per_gpu), "  (", source, "; ", fit,
+                                 ")")});
+  }
+  rows.insert(rows.end(), {
       {"compute per step",
        absl::StrCat(FormatSeconds(plan.compute_s), "  (per layer: forward ",
                     FormatSeconds(plan.forward_s_per_layer), ", backward+recompute ",
@@ -565,7 +656,7 @@ std::string FormatPlanTable(const PlanInput& input, const Plan& plan) {
        absl::StrCat(FormatSeconds(plan.exposed_s), "  (", Percent(plan.exposed_s, plan.compute_s),
                     " of compute; backward waits ", FormatSeconds(plan.backward_wait_s), ")")},
       {"simulated step time", FormatSeconds(plan.step_s)},
-  };
+  });
   size_t width = 0;
   for (const auto& row : rows) width = std::max(width, row.first.size());
   for (const auto& [label, value] : rows) {
@@ -615,6 +706,9 @@ std::string FormatPlanJson(const PlanInput& input, const Plan& plan) {
   field("gpu_bytes_saved", absl::StrCat(plan.gpu_bytes_saved));
   field("host_bytes_per_gpu", absl::StrCat(plan.host_bytes_per_gpu));
   field("host_bytes_per_node", absl::StrCat(plan.host_bytes_per_node));
+  field("host_ram_bytes", absl::StrCat(input.host_ram_bytes));
+  field("host_limit_per_gpu", absl::StrCat(plan.host_limit_per_gpu));
+  field("layers_within_host_limit", absl::StrCat(plan.layers_within_host_limit));
   field("forward_s_per_layer", FormatNumber(plan.forward_s_per_layer));
   field("backward_s_per_layer", FormatNumber(plan.backward_s_per_layer));
   field("compute_s_per_step", FormatNumber(plan.compute_s));

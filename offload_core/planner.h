@@ -17,6 +17,9 @@
 // - Transfer: D2H + H2D bytes at the given per-direction bandwidths (both directions at
 //   once share the bidirectional cap), and the exposed, non-overlapped part of them, found
 //   by running the engine's real schedule (OffloadEngine on SimDevice) for the step.
+// - Host limit (when host RAM or a limit is given): the engine stops offloading once its
+//   host limit is reached and keeps the remaining tensors on the GPU. The plan says how
+//   many of the offloaded layers fit under the limit; the other figures assume all do.
 //
 // The simulation moves real bytes, so it runs on stand-ins: every layer's bytes are scaled
 // down by one factor and every bandwidth by the same factor, which leaves each copy's time
@@ -58,7 +61,7 @@ absl::StatusOr<ModelShape> Preset(const std::string& name);
 int64_t ParamsPerLayer(const ModelShape& shape);
 
 struct PlanInput {
-  ModelShape model;
+  ModelShape model;  // model.name labels the output (--name, or the preset's)
   int64_t seq = 4096;
   int64_t batch = 1;
   DType dtype = DType::kBf16;
@@ -68,6 +71,8 @@ struct PlanInput {
   double h2d_gbps = 55;
   double bidir_gbps = 97;
   int64_t gpus_per_node = 8;
+  size_t host_ram_bytes = 0;           // per node; 0: not given
+  size_t host_memory_limit_bytes = 0;  // per GPU; 0: the engine's default (see below)
   int keep_last = 1;
   int prefetch_depth = 1;
   int max_inflight_d2h_groups = 2;
@@ -75,6 +80,16 @@ struct PlanInput {
 
 // Checks every field; the error names the command-line flag that sets it.
 absl::Status ValidatePlanInput(const PlanInput& input);
+
+// The host limit per GPU the engine chooses by default on a node with `host_ram_bytes` of
+// RAM and `local_ranks` processes: half of RAM split across them (the rule of
+// ckpt_offload.config.parse_host_memory_limit(None)).
+size_t DefaultHostMemoryLimit(size_t host_ram_bytes, int64_t local_ranks);
+
+// A byte count as the host flags take it: an integer of bytes or a number with a unit
+// (B, KB, MB, GB, TB in powers of 1000; KiB, MiB, GiB, TiB in powers of 1024; any case),
+// e.g. "2TiB", "512GB", "1.5TiB". The error names `flag`.
+absl::StatusOr<size_t> ParseByteSize(const std::string& flag, const std::string& value);
 
 // What offload_plan was asked for.
 struct PlanRequest {
@@ -85,7 +100,7 @@ struct PlanRequest {
 
 // Parses the flags (argv without the program name): --flag=value or --flag value; bools
 // also as a bare --flag. Shape flags override the preset's values; without --preset every
-// shape flag is required. Every error names the flag, e.g.
+// shape flag is required. --name labels the model. Every error names the flag, e.g.
 //   --seq must be a positive integer, got 'abc'
 absl::StatusOr<PlanRequest> ParsePlanArgs(const std::vector<std::string>& args);
 // The --help text.
@@ -100,6 +115,11 @@ struct Plan {
   size_t gpu_bytes_saved = 0;  // offloaded_layers * bytes_per_layer
   size_t host_bytes_per_gpu = 0;
   size_t host_bytes_per_node = 0;
+  // Host limit per GPU: the input's, or the default for host_ram_bytes; 0 when neither
+  // was given. layers_within_host_limit: offloaded layers that fit under it (all of them
+  // when no limit is known); the engine keeps the rest on the GPU.
+  size_t host_limit_per_gpu = 0;
+  int64_t layers_within_host_limit = 0;
 
   // Analytic times, seconds per step unless named per layer.
   double forward_s_per_layer = 0;

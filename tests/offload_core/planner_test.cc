@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -305,6 +306,30 @@ TEST(PlannerFlagsTest, DefaultsAndCustomShape) {
   EXPECT_TRUE(Parse("-h").value().help);
 }
 
+TEST(PlannerFlagsTest, HostSizesAndName) {
+  absl::StatusOr<PlanRequest> request =
+      Parse("--preset=llama-70b --host_ram=2TiB --host_memory_limit=100GB --name=my-model");
+  ASSERT_TRUE(request.ok()) << request.status();
+  EXPECT_EQ(request->input.host_ram_bytes, size_t{2} << 40);
+  EXPECT_EQ(request->input.host_memory_limit_bytes, size_t{100000000000});
+  EXPECT_EQ(request->input.model.name, "my-model");
+  EXPECT_EQ(request->input.model.layers, 80);  // --name changes the label only
+
+  const std::pair<const char*, size_t> sizes[] = {
+      {"1000", 1000},           {"1000b", 1000},           {"4KiB", 4096},
+      {"1.5GiB", 3 * kGiB / 2}, {"512gb", 512000000000},   {"2tib", size_t{2} << 40},
+      {"3MB", 3000000},         {"1.25MiB", 1310720},
+  };
+  for (const auto& [text, bytes] : sizes) {
+    absl::StatusOr<size_t> parsed = ParseByteSize("host_ram", text);
+    ASSERT_TRUE(parsed.ok()) << text << ": " << parsed.status();
+    EXPECT_EQ(*parsed, bytes) << text;
+  }
+  EXPECT_EQ(DefaultHostMemoryLimit(size_t{2} << 40, 8), 128 * kGiB);
+  EXPECT_EQ(DefaultHostMemoryLimit(64 * kGiB, 1), 32 * kGiB);
+  EXPECT_EQ(DefaultHostMemoryLimit(64 * kGiB, 0), 32 * kGiB);  // as for one rank
+}
+
 TEST(PlannerFlagsTest, EveryBadValueNamesItsFlag) {
   struct Case {
     const char* command_line;
@@ -347,6 +372,14 @@ TEST(PlannerFlagsTest, EveryBadValueNamesItsFlag) {
       {"--preset=llama-8b stray", "unexpected argument 'stray'"},
       {"--layers=4 --hidden=256 --ffn=1024 --heads=4", "--kv_heads is required without --preset"},
       {"--preset=llama-8b --layers=1000000", "--layers must be at most 100000"},
+      {"--preset=llama-8b --host_ram=lots",
+       "--host_ram must be a byte count such as 2TiB, 512GB or 1000000, got 'lots'"},
+      {"--preset=llama-8b --host_ram=0", "--host_ram must be a byte count"},
+      {"--preset=llama-8b --host_ram=2XB", "--host_ram must be a byte count"},
+      {"--preset=llama-8b --host_ram=1.2.3GB", "--host_ram must be a byte count"},
+      {"--preset=llama-8b --host_ram=99999999TiB", "--host_ram must be a byte count"},
+      {"--preset=llama-8b --host_memory_limit=-1", "--host_memory_limit must be a byte count"},
+      {"--preset=llama-8b --name=", "--name must not be empty"},
       {"--preset=llama-8b --seq=9000000000000", "--seq x --batch x --hidden"},
   };
   for (const Case& c : cases) {
@@ -411,6 +444,38 @@ TEST(PlannerOutputTest, TableAndJson) {
   for (const char* not_json : {": nan", ": -nan", ": inf", ": -inf"}) {
     EXPECT_EQ(json.find(not_json), std::string::npos) << not_json;
   }
+  // No host RAM given: no host rows; every offloaded layer counts as fitting.
+  EXPECT_EQ(table.find("host limit per GPU"), std::string::npos) << table;
+  EXPECT_EQ(table.find("host RAM per node"), std::string::npos) << table;
+  EXPECT_NE(json.find("\"host_limit_per_gpu\": 0, \"layers_within_host_limit\": 79"),
+            std::string::npos) << json;
+}
+
+TEST(PlannerOutputTest, HostRamAndTheDefaultLimit) {
+  PlanInput input = PresetInput("llama-70b", 131072);
+  input.host_ram_bytes = size_t{2} << 40;  // 2 TiB: 128 GiB per GPU by default, 2 GiB layers
+  Plan plan = MustPlan(input);
+  EXPECT_EQ(plan.host_limit_per_gpu, 128 * kGiB);
+  EXPECT_EQ(plan.layers_within_host_limit, 64);
+  std::string table = FormatPlanTable(input, plan);
+  for (const char* expected :
+       {"host RAM per node             2.00 TiB  (offload needs 61.7%)",
+        "host limit per GPU            128.00 GiB  (default: half of RAM / 8 GPUs; only 64 of "
+        "79 offloaded layers fit, the rest stay on the GPU)"}) {
+    EXPECT_NE(table.find(expected), std::string::npos) << expected << "\n" << table;
+  }
+  EXPECT_NE(FormatPlanJson(input, plan).find("\"host_ram_bytes\": 2199023255552, "
+                                             "\"host_limit_per_gpu\": 137438953472, "
+                                             "\"layers_within_host_limit\": 64"),
+            std::string::npos);
+
+  input.host_memory_limit_bytes = 200 * kGiB;  // an explicit limit wins over the default
+  plan = MustPlan(input);
+  EXPECT_EQ(plan.host_limit_per_gpu, 200 * kGiB);
+  EXPECT_EQ(plan.layers_within_host_limit, 79);
+  table = FormatPlanTable(input, plan);
+  EXPECT_NE(table.find("200.00 GiB  (--host_memory_limit; all 79 offloaded layers fit)"),
+            std::string::npos) << table;
 }
 
 }  // namespace
