@@ -7,6 +7,7 @@ end to end on a tiny local model and dataset.
 """
 
 import ast
+import dataclasses
 import json
 import logging
 import os
@@ -20,12 +21,17 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+# Before axolotl is imported: config loading (load_cfg) would otherwise send telemetry.
+os.environ["AXOLOTL_DO_NOT_TRACK"] = "1"
+os.environ["DO_NOT_TRACK"] = "1"
+
 from axolotl.integrations.base import PluginManager
 from axolotl.utils.config import prepare_plugins, validate_config
 from axolotl.utils.dict import DictDefault
 
 from ckpt_offload import OffloadConfig
 from ckpt_offload.axolotl import ActivationOffloadArgs, ActivationOffloadPlugin
+from ckpt_offload.axolotl.args import CONFIG_FIELDS
 
 PLUGIN = "ckpt_offload.axolotl.ActivationOffloadPlugin"
 LAYERS = 4
@@ -136,6 +142,86 @@ def test_args_model_on_its_own():
     assert args.ckpt_offload_keep_last == 0
     with pytest.raises(ValueError, match="ckpt_offload_prefetch_depth"):
         ActivationOffloadArgs(ckpt_offload_prefetch_depth=-1)
+
+
+# Every OffloadConfig field is a key; any other ckpt_offload_* key is an error.
+
+# A valid value other than the default for every OffloadConfig field.
+NON_DEFAULT = dict(keep_last=3, prefetch_depth=2, min_offload_bytes=7, host_memory_limit="3GiB",
+                   backend="host", scope="all", max_inflight_d2h_groups=4, offload_head=False)
+
+# The documented keys (README.md, hf_integration/README.md).
+DOCUMENTED_KEYS = {
+    "ckpt_offload_keep_last": "keep_last", "ckpt_offload_prefetch_depth": "prefetch_depth",
+    "ckpt_offload_min_offload_bytes": "min_offload_bytes",
+    "ckpt_offload_host_memory_limit": "host_memory_limit",
+    "ckpt_offload_backend": "backend", "ckpt_offload_scope": "scope",
+    "ckpt_offload_max_inflight_d2h_groups": "max_inflight_d2h_groups",
+    "ckpt_offload_head": "offload_head",
+}
+
+
+def loaded(assets, tmp_path, **extra):
+    """The config as `axolotl train config.yml` loads it (axolotl.cli.config.load_cfg:
+    YAML, plugin registration, schema validation, normalization)."""
+    from axolotl.cli.config import load_cfg
+
+    path = tmp_path / "config.yml"
+    path.write_text(yaml.safe_dump(axolotl_config(assets, tmp_path / "out", **extra)))
+    return load_cfg(str(path))
+
+
+def test_every_config_field_is_a_documented_key_with_its_help():
+    fields = dataclasses.fields(OffloadConfig)
+    # A new OffloadConfig field fails here until it has a documented key and a test value.
+    assert {f.name for f in fields} == set(NON_DEFAULT) == set(DOCUMENTED_KEYS.values())
+    assert CONFIG_FIELDS == DOCUMENTED_KEYS
+    schema = ActivationOffloadArgs.model_fields
+    assert list(schema) == list(CONFIG_FIELDS)
+    for key, name in CONFIG_FIELDS.items():
+        config_field = next(f for f in fields if f.name == name)
+        assert config_field.metadata["help"] in schema[key].json_schema_extra["description"]
+        assert schema[key].default is None  # unset: OffloadConfig's default
+
+
+def test_every_config_field_set_from_yaml(assets, tmp_path):
+    keys = {key: NON_DEFAULT[name] for key, name in CONFIG_FIELDS.items()}
+    cfg = loaded(assets, tmp_path, activation_offloading=True, **keys)
+    plugin = ActivationOffloadPlugin()
+    plugin.pre_model_load(cfg)
+    assert plugin.offload_config == OffloadConfig(**NON_DEFAULT)
+
+
+def test_scope_and_inflight_groups_from_yaml(assets, tmp_path):
+    cfg = loaded(assets, tmp_path, activation_offloading=True, ckpt_offload_scope="all",
+                 ckpt_offload_max_inflight_d2h_groups=3)
+    plugin = ActivationOffloadPlugin()
+    plugin.pre_model_load(cfg)
+    assert plugin.offload_config == OffloadConfig(scope="all", max_inflight_d2h_groups=3)
+    with pytest.raises(ValueError, match="ckpt_offload_scope: must be one of"):
+        loaded(assets, tmp_path, activation_offloading=True, ckpt_offload_scope="layers")
+    with pytest.raises(ValueError, match="ckpt_offload_max_inflight_d2h_groups: must be an int"):
+        loaded(assets, tmp_path, activation_offloading=True,
+               ckpt_offload_max_inflight_d2h_groups=0)
+
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("ckpt_offload_keep_lats", "ckpt_offload_keep_last"),
+    ("ckpt_offload_offload_head", "ckpt_offload_head"),
+    ("ckpt_offload_min_bytes", "ckpt_offload_min_offload_bytes"),
+    ("ckpt_offload_inflight", None),
+])
+def test_unknown_key_is_rejected_by_name(assets, tmp_path, key, suggestion):
+    with pytest.raises(ValueError) as caught:
+        loaded(assets, tmp_path, activation_offloading=True, **{key: 1})
+    message = str(caught.value)
+    assert f"{key}: not a ckpt_offload setting" in message
+    if suggestion:
+        assert f"did you mean {suggestion}?" in message
+    assert "ckpt_offload_max_inflight_d2h_groups" in message  # the keys are listed
+    # Also when offloading is off: a misspelled key is a mistake either way.
+    with pytest.raises(ValueError, match=key):
+        validated(assets, tmp_path, **{key: 1})
 
 
 # What each activation_offloading mode does.

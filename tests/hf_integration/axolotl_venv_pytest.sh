@@ -7,6 +7,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   echo "axolotl_test: no Axolotl test venv at $VENV; run scripts/setup_axolotl.sh" >&2
   exit 1
 fi
+export AXOLOTL_DO_NOT_TRACK=1 DO_NOT_TRACK=1  # config loading would send telemetry
 RUNFILES="${RUNFILES_DIR:-$TEST_SRCDIR}/ckpt_offload"
 export PYTHONPATH="$RUNFILES/torch_plugin:$RUNFILES/hf_integration${PYTHONPATH:+:$PYTHONPATH}"
 # `axolotl train` starts `accelerate launch`, found on PATH: this venv's.

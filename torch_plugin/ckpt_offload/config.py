@@ -86,33 +86,44 @@ def _check_int(name: str, value, minimum: int, maximum: int = _INT_MAX) -> None:
         raise ValueError(f"{name}: must be an int >= {minimum}, got {value}; {accepted}")
 
 
+def _setting(default, help: str, **extra):
+    """A field of OffloadConfig with its help text (read by the HF and Axolotl arguments)."""
+    return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    """Settings of one offload engine.
+    """Settings of one offload engine (each field's text: `OffloadConfig.field_help()`).
 
-    keep_last: last N checkpoint groups (layers) stay on the device.
-    prefetch_depth: groups fetched ahead during backward.
-    min_offload_bytes: smaller saved tensors stay where they are.
-    host_memory_limit: cap on host memory for offloaded tensors (see parse_host_memory_limit).
-    backend: "auto" (offload CUDA tensors, leave others), "cuda", or "host" (CPU tensors move
-        through host memory; exists so every path runs on CPU-only machines).
-    scope: "checkpoint_inputs" (only tensors tagged by ckpt_offload.checkpoint or
-        mark_checkpoint_inputs) or "all" (every saved tensor >= min_offload_bytes).
-    max_inflight_d2h_groups: groups whose device->host copies may run at once.
-    offload_head: with scope "checkpoint_inputs", also offload hidden-state-sized tensors
-        saved after the checkpointed layers (a language model's final norm input): each is
-        copied out once a later large tensor is saved, and brought back when backward
-        reaches that tensor (the LM head's backward), ahead of its own use.
+    The HF arguments (ckpt_offload.hf.OffloadArguments) and the Axolotl config keys
+    (ckpt_offload.axolotl) are made from these fields, their defaults and their help.
     """
 
-    keep_last: int = 1
-    prefetch_depth: int = 1
-    min_offload_bytes: int = 1 << 20
-    host_memory_limit: HostMemoryLimit = None
-    backend: str = "auto"
-    scope: str = "checkpoint_inputs"
-    max_inflight_d2h_groups: int = 2
-    offload_head: bool = True
+    keep_last: int = _setting(
+        1, "Last N checkpoint groups (layers) whose inputs stay on the device.")
+    prefetch_depth: int = _setting(1, "Groups fetched back ahead of need during backward.")
+    min_offload_bytes: int = _setting(
+        1 << 20, "Saved tensors smaller than this many bytes stay where they are.")
+    host_memory_limit: HostMemoryLimit = _setting(
+        None, "Cap on host memory for offloaded tensors: bytes, a size such as '24GiB', or a "
+              "fraction of RAM such as 0.5. Default: half of RAM, split across the node's "
+              "local ranks.")
+    backend: str = _setting(
+        "auto", "'auto' offloads CUDA tensors and leaves others; 'cuda'; 'host' moves CPU "
+                "tensors through host memory (so every path runs on CPU-only machines, for "
+                "tests).", choices=BACKENDS)
+    scope: str = _setting(
+        "checkpoint_inputs", "'checkpoint_inputs': only tensors tagged by "
+                             "ckpt_offload.checkpoint or mark_checkpoint_inputs (the "
+                             "checkpointed layers' inputs); 'all': every saved tensor of at "
+                             "least min_offload_bytes.", choices=SCOPES)
+    max_inflight_d2h_groups: int = _setting(
+        2, "Groups whose device-to-host copies may be in flight at once.")
+    offload_head: bool = _setting(
+        True, "With scope 'checkpoint_inputs', also offload hidden-state-sized tensors saved "
+              "after the checkpointed layers (a language model's final norm input): copied "
+              "out once a later large tensor is saved, brought back when backward reaches "
+              "that tensor (the LM head's backward), ahead of their own use.")
 
     def __post_init__(self):
         if not isinstance(self.offload_head, bool):
@@ -126,6 +137,12 @@ class OffloadConfig:
         if not isinstance(self.scope, str) or self.scope not in SCOPES:
             raise ValueError(f"scope: must be one of {SCOPES}, got {self.scope!r}")
         parse_host_memory_limit(self.host_memory_limit)
+
+    @classmethod
+    def field_help(cls) -> str:
+        """One line per field: name, default and help text."""
+        return "\n".join(f"{f.name} (default {f.default!r}): {f.metadata['help']}"
+                         for f in dataclasses.fields(cls))
 
     def host_memory_limit_bytes(self) -> int:
         return parse_host_memory_limit(self.host_memory_limit)

@@ -3,81 +3,85 @@
     parser = HfArgumentParser((TrainingArguments, OffloadArguments))
     training_args, offload_args = parser.parse_args_into_dataclasses()
     callback = ActivationOffloadCallback.from_args(offload_args)   # None when off
+
+Besides `activation_offloading`, there is one argument per OffloadConfig field, made from
+that field (name, type, default and help), so that the two cannot drift apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import typing
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from ckpt_offload import OffloadConfig
 from ckpt_offload.config import parse_host_memory_limit
 
+
+def argument_name(field_name: str) -> str:
+    """The argument of an OffloadConfig field: "offload_" and the field's name without its
+    own "offload_" (keep_last -> offload_keep_last, min_offload_bytes -> offload_min_bytes,
+    offload_head -> offload_head)."""
+    return "offload_" + field_name.replace("offload_", "")
+
+
 # OffloadConfig field -> argument name, so that errors name what the user typed.
-_ARGUMENT_FOR_FIELD = {
-    "keep_last": "offload_keep_last",
-    "prefetch_depth": "offload_prefetch_depth",
-    "min_offload_bytes": "offload_min_bytes",
-    "host_memory_limit": "offload_host_memory_limit",
-    "backend": "offload_backend",
-    "scope": "offload_scope",
-    "max_inflight_d2h_groups": "offload_max_inflight_d2h_groups",
-    "offload_head": "offload_head",
-}
+ARGUMENT_FOR_FIELD = {f.name: argument_name(f.name) for f in dataclasses.fields(OffloadConfig)}
+
+_CONFIG_TYPES = typing.get_type_hints(OffloadConfig)
+
+# Fields that accept several types (host_memory_limit: bytes, a size or a fraction) arrive
+# as text from the command line and are read by _normalize_text.
+_TEXT_FIELDS = tuple(name for name, hint in _CONFIG_TYPES.items()
+                     if typing.get_origin(hint) is Union)
+
+
+def _argument_type(config_field: dataclasses.Field):
+    choices = config_field.metadata.get("choices")
+    if choices:
+        return Literal[tuple(choices)]  # the parser offers and checks the choices
+    if config_field.name in _TEXT_FIELDS:
+        return Optional[str]
+    return _CONFIG_TYPES[config_field.name]
 
 
 @dataclass
-class OffloadArguments:
-    """Activation offload settings; they apply only when activation_offloading is true."""
-
+class _OffloadSwitch:
     activation_offloading: bool = field(default=False, metadata={
         "help": "Offload checkpointed layers' inputs to pinned host memory with ckpt_offload "
                 "(turns on non-reentrant gradient checkpointing)."})
-    offload_keep_last: int = field(default=1, metadata={
-        "help": "Last N checkpointed layers whose inputs stay on the GPU."})
-    offload_prefetch_depth: int = field(default=1, metadata={
-        "help": "Layers whose inputs are fetched back ahead of need during backward."})
-    offload_host_memory_limit: Optional[str] = field(default=None, metadata={
-        "help": "Cap on host memory for offloaded activations: bytes, a size such as "
-                "'24GiB', or a fraction of RAM such as '0.5'. Default: half of RAM, split "
-                "across the node's local ranks."})
-    offload_min_bytes: int = field(default=1 << 20, metadata={
-        "help": "Saved tensors smaller than this stay where they are."})
-    offload_backend: Literal["auto", "cuda", "host"] = field(default="auto", metadata={
-        "help": "'auto' offloads CUDA tensors; 'host' moves CPU tensors (for tests)."})
-    offload_scope: Literal["checkpoint_inputs", "all"] = field(default="checkpoint_inputs",
-                                                               metadata={
-        "help": "'checkpoint_inputs' (layer inputs only) or 'all' saved tensors."})
-    offload_max_inflight_d2h_groups: int = field(default=2, metadata={
-        "help": "Layers whose device-to-host copies may be in flight at once."})
-    offload_head: bool = field(default=True, metadata={
-        "help": "Also offload hidden-state-sized tensors saved after the checkpointed layers "
-                "(the final norm's input), restored during the LM head's backward."})
 
     def __post_init__(self):
         # Validate at parse time, so a bad value stops the run before the model loads.
-        self.offload_host_memory_limit = _normalize_limit(self.offload_host_memory_limit)
+        for name in _TEXT_FIELDS:
+            argument = ARGUMENT_FOR_FIELD[name]
+            setattr(self, argument, _normalize_text(getattr(self, argument), argument))
         self.to_config()
 
     def to_config(self) -> OffloadConfig:
         """The OffloadConfig these arguments describe (ValueError names the argument)."""
         try:
-            return OffloadConfig(
-                keep_last=self.offload_keep_last,
-                prefetch_depth=self.offload_prefetch_depth,
-                min_offload_bytes=self.offload_min_bytes,
-                host_memory_limit=self.offload_host_memory_limit,
-                backend=self.offload_backend,
-                scope=self.offload_scope,
-                max_inflight_d2h_groups=self.offload_max_inflight_d2h_groups,
-                offload_head=self.offload_head,
-            )
+            return OffloadConfig(**{name: getattr(self, argument)
+                                    for name, argument in ARGUMENT_FOR_FIELD.items()})
         except ValueError as error:
             raise ValueError(_rename_field(str(error))) from None
 
 
-def _normalize_limit(value: Union[None, int, float, str]) -> Union[None, int, float, str]:
+OffloadArguments = dataclasses.make_dataclass(
+    "OffloadArguments",
+    [(ARGUMENT_FOR_FIELD[f.name], _argument_type(f),
+      field(default=f.default, metadata={"help": f.metadata["help"]}))
+     for f in dataclasses.fields(OffloadConfig)],
+    bases=(_OffloadSwitch,),
+    namespace={
+        "__module__": __name__,
+        "__doc__": "Activation offload settings; they apply only when activation_offloading "
+                   "is true. One argument per OffloadConfig field (see ARGUMENT_FOR_FIELD).",
+    })
+
+
+def _normalize_text(value: Union[None, int, float, str], argument: str):
     """A YAML file gives numbers as numbers, the command line as strings: keep numbers,
     read "0.5" as a fraction and "25769803776" as bytes, and check the rest."""
     if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -90,14 +94,14 @@ def _normalize_limit(value: Union[None, int, float, str]) -> Union[None, int, fl
             return float(text)
         except ValueError:
             pass
-    parse_host_memory_limit(value, field="offload_host_memory_limit")
+    parse_host_memory_limit(value, field=argument)
     return value
 
 
 def _rename_field(message: str) -> str:
     name, sep, rest = message.partition(":")
-    if sep and name in _ARGUMENT_FOR_FIELD:
-        return f"{_ARGUMENT_FOR_FIELD[name]}:{rest}"
+    if sep and name in ARGUMENT_FOR_FIELD:
+        return f"{ARGUMENT_FOR_FIELD[name]}:{rest}"
     return message
 
 
