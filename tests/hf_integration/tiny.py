@@ -60,8 +60,9 @@ def training_args(output_dir, **overrides) -> TrainingArguments:
 class Probe(TrainerCallback):
     """Records what the model looks like when training begins and what each step offloaded.
 
-    Registered before the offload callback, its on_train_begin sees the model as the Trainer
-    prepared it; its on_step_end reads the offload callback's handle, if any."""
+    Put in front of the offload callback (which moves itself first when the Trainer is made:
+    train(probe=...) does it), its on_train_begin sees the model as the Trainer prepared it;
+    its on_step_end reads the offload callback's handle, if any."""
 
     def __init__(self, offload_callback=None):
         self.offload_callback = offload_callback
@@ -88,11 +89,14 @@ def checkpoint_funcs(model):
             if "_gradient_checkpointing_func" in module.__dict__}
 
 
-def train(model, tmp_path, callbacks=(), eval_dataset=None, **arg_overrides):
-    """Trains `model` with Trainer; returns (trainer, train losses by step)."""
+def train(model, tmp_path, callbacks=(), eval_dataset=None, probe=None, **arg_overrides):
+    """Trains `model` with Trainer; returns (trainer, train losses by step). `probe` goes
+    first among the callbacks, ahead of the offload callback."""
     trainer = Trainer(model=model, args=training_args(tmp_path, **arg_overrides),
                       train_dataset=TokenDataset(), eval_dataset=eval_dataset,
                       callbacks=list(callbacks))
+    if probe is not None:
+        trainer.callback_handler.callbacks.insert(0, probe)
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     return trainer, losses

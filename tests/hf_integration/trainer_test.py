@@ -27,7 +27,7 @@ def train_pair(make_model, tmp_path, keep_last=1, **arg_overrides):
     model = make_model()
     callback = ActivationOffloadCallback(keep_last=keep_last, **HOST)
     probe = Probe(callback)
-    trainer, losses = train(model, tmp_path / "offload", callbacks=[probe, callback],
+    trainer, losses = train(model, tmp_path / "offload", callbacks=[callback], probe=probe,
                             **arg_overrides)
     return (plain_model, plain_losses), (model, losses, trainer, callback, probe)
 
@@ -126,7 +126,8 @@ def test_evaluation_during_training_offloads_nothing(tmp_path):
     callback = ActivationOffloadCallback(keep_last=1, **HOST)
     watcher = EvalWatcher(callback)
     probe = Probe(callback)
-    trainer, losses = train(model, tmp_path / "offload", callbacks=[probe, callback, watcher],
+    trainer, losses = train(model, tmp_path / "offload", callbacks=[callback, watcher],
+                            probe=probe,
                             eval_dataset=TokenDataset(count=4, seed=7), **common)
 
     assert losses == plain_losses
@@ -147,7 +148,7 @@ def test_reentrant_request_is_changed_with_a_warning(tmp_path):
     callback = ActivationOffloadCallback(keep_last=1, **HOST)
     probe = Probe(callback)
     with pytest.warns(UserWarning, match="use_reentrant=False"):
-        trainer, losses = train(model, tmp_path, callbacks=[probe, callback],
+        trainer, losses = train(model, tmp_path, callbacks=[callback], probe=probe,
                                 gradient_checkpointing_kwargs={"use_reentrant": True})
     assert callback.final_totals["offloaded_tensors"] == 4 * LAYERS
     # Afterwards the Trainer's own (reentrant) checkpoint functions are back.
@@ -163,7 +164,7 @@ def test_checkpointing_turned_on_when_off_and_off_again_after(tmp_path, caplog):
     callback = ActivationOffloadCallback(keep_last=1, **HOST)
     probe = Probe(callback)
     with caplog.at_level(logging.WARNING, logger="ckpt_offload.hf"):
-        trainer, losses = train(model, tmp_path / "offload", callbacks=[probe, callback],
+        trainer, losses = train(model, tmp_path / "offload", callbacks=[callback], probe=probe,
                                 gradient_checkpointing=False)
     assert "turned it on" in caplog.text
     assert losses == plain_losses
@@ -207,6 +208,53 @@ def test_attach_puts_figures_in_front_of_earlier_callbacks(tmp_path):
     assert all(log["offload/offloaded_tensors"] == LAYERS for log in step_logs)
 
 
+class TrackerStandIn(LogRecorder):
+    """Registered as a report_to integration (made by the Trainer from its name, like
+    wandb or tensorboard): records every log it is given."""
+
+    made = []
+
+    def __init__(self):
+        super().__init__()
+        TrackerStandIn.made.append(self)
+
+
+@pytest.mark.parametrize("registration", ["callbacks", "add_callback", "attach"])
+def test_figures_reach_report_to_integrations_and_earlier_callbacks(tmp_path, monkeypatch,
+                                                                    registration):
+    from transformers import Trainer
+    from transformers.integrations import integration_utils
+
+    from tiny import training_args
+
+    monkeypatch.setitem(integration_utils.INTEGRATION_TO_CALLBACK, "stand_in", TrackerStandIn)
+    TrackerStandIn.made.clear()
+    user_logger = LogRecorder()  # a user's callback, listed before the offload callback
+    callback = ActivationOffloadCallback(keep_last=1, **HOST)
+    trainer = Trainer(
+        model=tiny_llama(), args=training_args(tmp_path, max_steps=2, report_to=["stand_in"]),
+        train_dataset=TokenDataset(),
+        callbacks=[user_logger] + ([callback] if registration == "callbacks" else []))
+    if registration == "add_callback":
+        trainer.add_callback(callback)
+    elif registration == "attach":
+        callback.attach(trainer)
+    (tracker,) = TrackerStandIn.made
+    callbacks = trainer.callback_handler.callbacks
+    assert callbacks.index(tracker) < callbacks.index(user_logger)  # the Trainer's order
+    trainer.train()
+
+    assert callbacks[0] is callback
+    for recorder in (tracker, user_logger):
+        step_logs = [log for log in recorder.logs if "loss" in log]
+        assert len(step_logs) == 2
+        assert all(log["offload/offloaded_tensors"] == LAYERS for log in step_logs), step_logs
+    # Once per Trainer: a second train() neither reorders nor wraps train() again.
+    guarded = trainer.train
+    trainer.train()
+    assert trainer.train is guarded and callbacks.count(callback) == 1
+
+
 def test_bad_override_fails_before_training():
     with pytest.raises(ValueError, match="keep_last"):
         ActivationOffloadCallback(keep_last=-1)
@@ -216,16 +264,17 @@ def test_bad_override_fails_before_training():
         ActivationOffloadCallback(keep_lats=1)
 
 
-def test_second_offload_callback_is_a_clear_error(tmp_path):
+def test_second_offload_callback_is_a_clear_error_and_leaves_the_model_as_before(tmp_path):
     model = tiny_llama()
     first = ActivationOffloadCallback(**HOST)
     second = ActivationOffloadCallback(**HOST)
-    with pytest.raises(RuntimeError, match="already installed"):
-        train(model, tmp_path, callbacks=[first, second])
-    first.handle.disable()
+    probe = Probe()
+    with pytest.raises(RuntimeError, match="already installed.*register one per Trainer"):
+        train(model, tmp_path, callbacks=[first, second], probe=probe)
+    # train() raised, so each callback uninstalled what it had installed.
+    assert first.handle is None and second.handle is None
     assert "forward" not in model.__dict__
-    assert not any(type(f).__name__ == "_OffloadingCheckpoint"
-                   for f in checkpoint_funcs(model).values())
+    assert checkpoint_funcs(model) == probe.begin_funcs
 
 
 def test_train_twice_with_one_callback(tmp_path):

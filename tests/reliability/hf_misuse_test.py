@@ -2,14 +2,18 @@
 ActivationOffloadCallback), through the public API only: every failure is a clear error and
 leaves the model exactly as it was (nothing half-installed)."""
 
+import gc
+import warnings
+
 import pytest
 import torch
 from torch import nn
-from transformers import TrainerControl, TrainerState, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import ckpt_offload
-from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
-from hf_tiny import batch, tiny_llama
+from ckpt_offload.hf import (ActivationOffloadCallback, disable_activation_offload,
+                             enable_activation_offload)
+from hf_tiny import TokenDataset, batch, tiny_llama, training_args
 from reliability_util import fresh_host_config, saved_tensor_hooks_active
 
 def snapshot(model):
@@ -148,3 +152,196 @@ def test_checkpointing_off_is_turned_on_and_disable_turns_it_off_again():
     assert handle.stats()["offloaded_tensors"] == 4
     handle.disable()
     assert_untouched(model, (before[0], snapshot(model)[1]))
+
+
+# ---------------------------------------------------------------------------------------
+# A train() that raises, and the retry after it
+
+
+class Boom(Exception):
+    pass
+
+
+class Fault(TrainerCallback):
+    """Raises Boom once, in the second step: from a layer's forward, from the LM head's
+    backward, from on_step_end; or from on_train_begin (after the offload callback
+    installed). Its hooks are registered on the model before any snapshot is taken."""
+
+    def __init__(self, model, where, offload_callback=None):
+        self.where = where
+        self.armed = False
+        self.raised = None
+        self.offload_callback = offload_callback
+        self.handles = []  # the offload callback's handle at each step
+        model.model.layers[2].mlp.register_forward_pre_hook(self._hook)
+        model.lm_head.register_full_backward_pre_hook(self._backward_hook)
+
+    def _raise(self):
+        self.armed = False
+        self.raised = Boom(f"injected in {self.where}")
+        raise self.raised
+
+    def _hook(self, module, inputs):
+        if self.armed and self.where == "layer forward":
+            self._raise()
+
+    def _backward_hook(self, module, grad_output):
+        if self.armed and self.where == "backward":
+            self._raise()
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.where == "on_train_begin":
+            self._raise()
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.armed = state.global_step == 1 and self.raised is None
+        if self.offload_callback is not None:
+            self.handles.append(self.offload_callback.handle)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.armed and self.where == "on_step_end":
+            self._raise()
+
+
+class Snapshot(TrainerCallback):
+    """Put first: snapshot() of the model as the Trainer prepared it, before any install."""
+
+    def __init__(self):
+        self.before = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if self.before is None:
+            self.before = snapshot(model)
+
+
+def make_trainer(model, tmp_path, callbacks=(), registration="callbacks", first=(),
+                 **arg_overrides):
+    """A Trainer on `model`; the offload callbacks among `callbacks` are registered as
+    `registration` says (Trainer(callbacks=...), attach, or add_callback); `first` go in
+    front of every callback."""
+    offload = [c for c in callbacks if isinstance(c, ActivationOffloadCallback)]
+    others = [c for c in callbacks if c not in offload]
+    trainer = Trainer(model=model, args=training_args(tmp_path, **arg_overrides),
+                      train_dataset=TokenDataset(),
+                      callbacks=others + (offload if registration == "callbacks" else []))
+    for callback in offload:
+        if registration == "attach":
+            callback.attach(trainer)
+        elif registration == "add_callback":
+            trainer.add_callback(callback)
+    for callback in reversed(first):
+        trainer.callback_handler.callbacks.insert(0, callback)
+    return trainer
+
+
+def ours(model):
+    """ckpt_offload objects anywhere on the model (forward, checkpoint functions, hooks)."""
+    found = []
+    for module in model.modules():
+        values = [module.__dict__.get("forward"),
+                  module.__dict__.get("_gradient_checkpointing_func"),
+                  *module._forward_hooks.values()]
+        found += [v for v in values if type(v).__module__.startswith("ckpt_offload")]
+    return found
+
+
+FAILURES = ["layer forward", "backward", "on_step_end", "on_train_begin"]
+
+
+@pytest.mark.parametrize("registration", ["callbacks", "attach"])
+@pytest.mark.parametrize("where", FAILURES)
+def test_failed_train_uninstalls_and_leaves_the_model_as_before(tmp_path, where, registration):
+    model = tiny_llama()
+    callback = ActivationOffloadCallback(**fresh_host_config(keep_last=0))
+    fault = Fault(model, where, callback)
+    first = Snapshot()
+    trainer = make_trainer(model, tmp_path, [callback, fault], registration, first=[first])
+
+    with pytest.raises(Boom) as caught:
+        trainer.train()
+
+    assert caught.value is fault.raised  # the exception itself, unchanged
+    assert callback.handle is None and ours(model) == []
+    # An exception inside a non-reentrant checkpoint leaves torch's checkpoint generator
+    # (and its saved-tensor hooks) open until the traceback goes, with or without offload.
+    del caught
+    fault.raised = None
+    gc.collect()
+    assert_untouched(model, (first.before[0], snapshot(model)[1]))
+    if where != "on_train_begin":
+        handle = fault.handles[0]
+        assert handle is not None and not handle.installed
+        # Every offloaded block is back in the pool once the failed step's graph is gone.
+        assert handle.stats()["host_live_bytes"] == 0
+
+
+def train_losses(trainer):
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+def fail_then_retry(tmp_path, registration=None, checkpointing_by_trainer=True):
+    """train() raising in its second step (layer forward), then train() of a new Trainer
+    with a new offload callback on the same model (no offload when registration is None).
+    Returns the model, the retry's losses and what the failure left on the model."""
+    model = tiny_llama()
+    fault = Fault(model, "layer forward")
+    before = Snapshot()
+    settings = dict(gradient_checkpointing=checkpointing_by_trainer)
+    first = [ActivationOffloadCallback(**fresh_host_config())] if registration else []
+    failing = make_trainer(model, tmp_path / "failed", first + [fault], registration or "callbacks",
+                           first=[before], **settings)
+    with pytest.raises(Boom):
+        failing.train()
+    fault.raised = None  # the traceback holds torch's open checkpoint (see above)
+    gc.collect()
+    left = ours(model)
+    retry = [ActivationOffloadCallback(**fresh_host_config())] if registration else []
+    trainer = make_trainer(model, tmp_path / "retry", retry, **settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    replaced = [str(w.message) for w in caught if "failed train() left" in str(w.message)]
+    return model, before.before, train_losses(trainer), left, replaced, retry
+
+
+@pytest.mark.parametrize("checkpointing_by_trainer", [True, False])
+@pytest.mark.parametrize("registration", ["add_callback", "callbacks", "attach"])
+def test_retry_with_a_new_callback_after_a_failed_train(tmp_path, registration,
+                                                        checkpointing_by_trainer):
+    plain_model, _, plain_losses, _, _, _ = fail_then_retry(
+        tmp_path / "plain", None, checkpointing_by_trainer)
+    model, before, losses, left, replaced, retry = fail_then_retry(
+        tmp_path / "offload", registration, checkpointing_by_trainer)
+
+    if registration == "add_callback":
+        # Added after the Trainer was made, the callback is first called inside train(),
+        # too late to guard it: the failure leaves the installation, and the next install
+        # replaces it (with a warning).
+        assert left and len(replaced) == 1
+    else:
+        assert left == [] and replaced == []
+    assert losses == plain_losses and len(losses) == 4
+    for name, param in model.named_parameters():
+        assert torch.equal(param, dict(plain_model.named_parameters())[name]), name
+    assert retry[0].final_totals["offloaded_tensors"] == 4 * 4
+    assert ours(model) == []
+    if not checkpointing_by_trainer:
+        # The Trainer left checkpointing alone (the model has it on): exactly as before.
+        assert_untouched(model, (before[0], snapshot(model)[1]))
+    else:
+        # The Trainer enabled checkpointing anew for each train(): its objects, not ours,
+        # and the same hooks as the run without offload.
+        assert "forward" not in model.__dict__
+        embeddings, plain_embeddings = (m.get_input_embeddings() for m in (model, plain_model))
+        assert ([h.__qualname__ for h in embeddings._forward_hooks.values()]
+                == [h.__qualname__ for h in plain_embeddings._forward_hooks.values()])
+
+
+def test_lost_handle_is_uninstalled_from_the_model():
+    model = tiny_llama()
+    before = snapshot(model)
+    enable_activation_offload(model, **fresh_host_config())  # the handle is dropped
+    assert len(ours(model)) > 0
+    assert disable_activation_offload(model) == 1
+    assert disable_activation_offload(model) == 0
+    assert_untouched(model, before)

@@ -8,13 +8,16 @@ installer for custom training loops.
     handle = enable_activation_offload(model, keep_last=1)   # custom loop / accelerate
     ...
     handle.disable()
+    disable_activation_offload(model)    # uninstalls what a lost handle left on the model
 """
 
 from ckpt_offload.hf.arguments import OffloadArguments
 from ckpt_offload.hf.callback import ActivationOffloadCallback
-from ckpt_offload.hf.install import OffloadHandle, checkpointing_layers, enable_activation_offload
+from ckpt_offload.hf.install import (
+    OffloadHandle, checkpointing_layers, disable_activation_offload, enable_activation_offload,
+    installations)
 
 __all__ = [
     "ActivationOffloadCallback", "OffloadArguments", "OffloadHandle", "checkpointing_layers",
-    "enable_activation_offload",
+    "disable_activation_offload", "enable_activation_offload", "installations",
 ]

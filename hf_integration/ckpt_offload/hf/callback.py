@@ -7,23 +7,42 @@
 
 from __future__ import annotations
 
+import functools
+import logging
+import sys
+import weakref
 from typing import Dict, Optional
 
 from transformers import TrainerCallback
+from transformers.trainer_callback import CallbackHandler
 
 from ckpt_offload import OffloadConfig
 from ckpt_offload.config import make_config
 from ckpt_offload.hf.arguments import OffloadArguments
-from ckpt_offload.hf.install import OffloadHandle, enable_activation_offload
+from ckpt_offload.hf.install import OffloadHandle
 
 GIB = float(1 << 30)
+
+logger = logging.getLogger("ckpt_offload.hf")
+
+# How far up the call stack the Trainer is looked for (it is a few frames above a callback).
+_MAX_FRAMES = 64
 
 
 class ActivationOffloadCallback(TrainerCallback):
     """Offloads checkpointed layers' inputs to host memory while Trainer.train() runs.
 
+    - on_init_end (registered with `Trainer(callbacks=[...])`) or attach(): moves itself
+      ahead of every other callback, so that report_to integrations (wandb, tensorboard,
+      ...) and other callbacks receive the offload/ figures, and makes the Trainer's
+      train() uninstall when it raises (the exception goes on unchanged). Registered with
+      `trainer.add_callback`, it does both at on_train_begin: the figures reach the
+      trackers from then on, and an exception in that first train() leaves the
+      installation until the next install replaces it (or disable_activation_offload).
     - on_train_begin: installs on the Trainer's model instance (after the Trainer enabled
-      gradient checkpointing). Checkpointing is made non-reentrant (use_reentrant=True is
+      gradient checkpointing). An installation left on the model by another callback whose
+      train() raised is replaced, with a warning; one by enable_activation_offload(), or by
+      another callback of the same Trainer, raises RuntimeError. Checkpointing is made non-reentrant (use_reentrant=True is
       changed, with a warning) and turned on if it was off. Each training forward, that is
       each micro-batch of gradient accumulation, is one engine step; evaluation and
       prediction run without grad and offload nothing.
@@ -34,9 +53,8 @@ class ActivationOffloadCallback(TrainerCallback):
     Overrides are OffloadConfig fields (keep_last, prefetch_depth, host_memory_limit, ...);
     bad values raise ValueError naming the field, here, before training starts.
 
-    The Trainer runs its report_to integrations before user callbacks, and stores each log
-    in state.log_history before any callback sees it. The history entry is updated here; for
-    wandb/tensorboard to receive the figures, register with `callback.attach(trainer)`.
+    The Trainer stores each log in state.log_history before any callback sees it; the
+    history entry is updated here too.
     """
 
     def __init__(self, config: Optional[OffloadConfig] = None, **overrides):
@@ -45,6 +63,8 @@ class ActivationOffloadCallback(TrainerCallback):
         self.final_totals: Optional[Dict[str, float]] = None
         self._logged_totals: Optional[Dict[str, float]] = None
         self._logged_step = 0
+        self._trainer = None  # weakref to the Trainer this callback serves, once known
+        self._training = False
 
     @classmethod
     def from_args(cls, args: OffloadArguments) -> Optional["ActivationOffloadCallback"]:
@@ -54,20 +74,26 @@ class ActivationOffloadCallback(TrainerCallback):
         return cls(args.to_config())
 
     def attach(self, trainer) -> "ActivationOffloadCallback":
-        """Registers on `trainer` ahead of its report_to integrations, so that they log the
-        offload/ figures too (Trainer.add_callback would append after them)."""
-        callbacks = trainer.callback_handler.callbacks
-        if self in callbacks:
-            callbacks.remove(self)
-        callbacks.insert(0, self)
+        """Registers on `trainer` (a Trainer made without this callback) ahead of every other
+        callback, as `Trainer(callbacks=[...])` does; returns the callback."""
+        self._serve(trainer)
         return self
 
+    def on_init_end(self, args, state, control, **kwargs):
+        trainer = self._calling_trainer()
+        if trainer is not None:
+            self._serve(trainer)
+
     def on_train_begin(self, args, state, control, model=None, **kwargs):
+        trainer = self._calling_trainer()
+        if trainer is not None:
+            self._serve(trainer)  # registered with add_callback: not served yet
         if self.handle is not None:
             self.handle.disable()  # left by a train() that raised before on_train_end
         if model is None:
             raise ValueError("ActivationOffloadCallback: the Trainer passed no model")
-        self.handle = enable_activation_offload(model, self.config)
+        self.handle = OffloadHandle(model, self.config, owner=self, replace=self._is_stale)
+        self._training = True
         self.final_totals = None
         self._logged_totals = self.handle.totals()
         self._logged_step = state.global_step
@@ -89,11 +115,80 @@ class ActivationOffloadCallback(TrainerCallback):
         self._logged_step = state.global_step
 
     def on_train_end(self, args, state, control, **kwargs):
+        self._uninstall()
+
+    def _uninstall(self) -> None:
+        self._training = False
         if self.handle is None:
             return
         self.final_totals = self.handle.totals()
         self.handle.disable()
         self.handle = None
+
+    # Finding and serving the Trainer.
+
+    def _serve(self, trainer) -> None:
+        """Puts this callback first in `trainer`'s callbacks (the Trainer itself lists its
+        report_to integrations first) and guards its train() once."""
+        self._trainer = weakref.ref(trainer)
+        callbacks = trainer.callback_handler.callbacks
+        if not (callbacks and callbacks[0] is self):
+            # Also while the handler iterates over this list (on_init_end, on_train_begin):
+            # the callbacks after this one keep their positions, so none is skipped.
+            if any(cb is self for cb in callbacks):
+                callbacks.remove(self)
+            callbacks.insert(0, self)
+        current = trainer.__dict__.get("train")
+        if getattr(current, "__ckpt_offload_callback__", None) is self:
+            return
+        train = trainer.train
+        callback = self
+
+        @functools.wraps(train)
+        def train_then_uninstall_on_error(*args, **kwargs):
+            try:
+                return train(*args, **kwargs)
+            except BaseException:
+                if callback.handle is not None:
+                    logger.info("ckpt_offload.hf: train() raised; activation offload "
+                                "uninstalled, the model is as before")
+                callback._uninstall()
+                raise
+
+        train_then_uninstall_on_error.__ckpt_offload_callback__ = self
+        trainer.train = train_then_uninstall_on_error
+
+    def _calling_trainer(self):
+        """The Trainer whose CallbackHandler is calling this callback now, from the stack
+        (the handler's `self` a few frames up, then the Trainer's), or None."""
+        frame = sys._getframe(2)
+        handler = None
+        try:
+            for _ in range(_MAX_FRAMES):
+                if frame is None:
+                    return None
+                owner = frame.f_locals.get("self")
+                if handler is None:
+                    if isinstance(owner, CallbackHandler) and any(
+                            cb is self for cb in owner.callbacks):
+                        handler = owner
+                elif getattr(owner, "callback_handler", None) is handler:
+                    return owner
+                frame = frame.f_back
+            return None
+        finally:
+            del frame
+
+    def _is_stale(self, handle: OffloadHandle) -> bool:
+        """Whether an installation found on the model may be replaced: one left by another
+        ActivationOffloadCallback that is not part of this training (its train() raised)."""
+        owner = handle.owner
+        if not isinstance(owner, ActivationOffloadCallback) or owner is self:
+            return owner is self
+        trainer = self._trainer() if self._trainer is not None else None
+        if trainer is not None:
+            return all(cb is not owner for cb in trainer.callback_handler.callbacks)
+        return not owner._training
 
     def _figures(self, totals: Dict[str, float], steps: int) -> Dict[str, float]:
         """Per optimizer step since the last log, except the host pool's standing figures."""

@@ -9,17 +9,31 @@ What an installation changes, and `OffloadHandle.disable()` puts back exactly:
 - when gradient checkpointing was off, it is turned on (and off again on disable);
 - forward hooks that `enable_input_require_grads` (transformers, peft) put on the input
   embeddings are swapped for one that makes the embeddings require grad without turning
-  them into a leaf (see `_require_grad_without_leaf`); the original hook goes back on
+  them into a leaf (see `_RequireGradWithoutLeaf`); the original hook goes back on
   disable.
 
 Only the forward runs inside the engine's context: saved-tensor hooks pack during forward,
 and autograd unpacks (restores) during backward whether or not the context is still active.
+
+Copies: every object an installation puts on the model (the forward wrapper, the checkpoint
+functions, the swapped hook) deep-copies and pickles as the object it replaced, so
+`copy.deepcopy(model)` and `torch.save(model)` give the model without ckpt_offload (install
+on the copy separately), whose forward runs the copy's own weights. The one difference:
+gradient checkpointing that the installation turned on stays on in the copy. Such a pickle
+loads without ckpt_offload (only standard-library callables stand in for the replaced objects).
+
+Leftovers: an installation is found from the model itself (each patched object carries its
+handle). Installing again over a live one raises RuntimeError; an installer that may replace
+stale leftovers (ActivationOffloadCallback: those of a callback whose train() raised) passes
+`replace`, and the stale installation is uninstalled first, with a warning.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
+import operator
 import warnings
 from typing import Any, Callable, Dict, List, Optional
 
@@ -84,15 +98,43 @@ def enable_activation_offload(model: nn.Module, config: Optional[OffloadConfig] 
     return OffloadHandle(model, make_config(config, **overrides))
 
 
+def installations(model: nn.Module) -> List["OffloadHandle"]:
+    """The handles whose patches are on `model` (any of its modules), oldest first."""
+    found: List[OffloadHandle] = []
+    for module in model.modules():
+        candidates = (module.__dict__.get("forward"),
+                      module.__dict__.get("_gradient_checkpointing_func"),
+                      *module._forward_hooks.values())
+        for value in candidates:
+            if isinstance(value, _PATCHES) and all(value.handle is not h for h in found):
+                found.append(value.handle)
+    return found
+
+
+def disable_activation_offload(model: nn.Module) -> int:
+    """Uninstalls every ckpt_offload installation on `model`, also one whose handle is lost
+    (after an exception); returns how many there were."""
+    handles = installations(model)
+    for handle in handles:
+        handle.disable()
+    return len(handles)
+
+
 def checkpointing_layers(model: nn.Module) -> List[GradientCheckpointingLayer]:
     """The transformers GradientCheckpointingLayers inside `model`, in module order."""
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
 class OffloadHandle:
-    """One installation of ckpt_offload on a model; see enable_activation_offload()."""
+    """One installation of ckpt_offload on a model; see enable_activation_offload().
 
-    def __init__(self, model: nn.Module, config: OffloadConfig):
+    `owner`: who installed it (ActivationOffloadCallback, or None for a user's own call).
+    `replace(old_handle) -> bool`: whether an installation found on the model is stale and
+    may be uninstalled first; without it, any installation found raises RuntimeError.
+    """
+
+    def __init__(self, model: nn.Module, config: OffloadConfig, *, owner: Any = None,
+                 replace: Optional[Callable[["OffloadHandle"], bool]] = None):
         layers = checkpointing_layers(model)
         if not layers:
             raise ValueError(
@@ -101,14 +143,20 @@ class OffloadHandle:
                 "checkpointed layers whose inputs could be offloaded. Models whose decoder "
                 "layers do not subclass GradientCheckpointingLayer can call "
                 "ckpt_offload.checkpoint() in their own forward instead")
-        for module in model.modules():
-            if isinstance(module.__dict__.get("_gradient_checkpointing_func"),
-                          _OffloadingCheckpoint):
-                raise RuntimeError(
-                    "ckpt_offload.hf: activation offload is already installed on this model "
-                    "(by enable_activation_offload() or ActivationOffloadCallback); call "
-                    "disable() on that handle first")
+        found = installations(model)
+        if found and (replace is None or not all(replace(old) for old in found)):
+            raise RuntimeError(
+                "ckpt_offload.hf: activation offload is already installed on this model (by "
+                "enable_activation_offload(), or by an ActivationOffloadCallback of the "
+                "Trainer that is training it: register one per Trainer); call disable() on "
+                "that handle first, or ckpt_offload.hf.disable_activation_offload(model)")
+        for old in found:
+            warnings.warn(
+                "ckpt_offload.hf: replacing the activation offload that an earlier, failed "
+                "train() left on this model", UserWarning, stacklevel=3)
+            old.disable()
         self.model = model
+        self.owner = owner
         self.config = config
         self.engine = ckpt_offload.offload_activations(config)
         self._layers = layers
@@ -150,7 +198,7 @@ class OffloadHandle:
                 continue
             options, module_notes = _checkpoint_options(original)
             notes.extend(n for n in module_notes if n not in notes)
-            module._gradient_checkpointing_func = _OffloadingCheckpoint(self, options)
+            module._gradient_checkpointing_func = _OffloadingCheckpoint(self, options, original)
             self._patched.add(module)
         if notes:
             warnings.warn("ckpt_offload.hf: " + "; ".join(notes), UserWarning, stacklevel=4)
@@ -192,36 +240,28 @@ class OffloadHandle:
         grad, as the model was set up, through a node that holds nothing."""
         for module in self._embeddings:
             for hook_id, hook in list(module._forward_hooks.items()):
-                if getattr(hook, "__name__", "") in _REQUIRE_GRADS_HOOK_NAMES:
-                    self._swapped_hooks[(module, hook_id)] = hook
-                    module._forward_hooks[hook_id] = _require_grad_without_leaf
+                if (not isinstance(hook, _RequireGradWithoutLeaf)
+                        and getattr(hook, "__name__", "") in _REQUIRE_GRADS_HOOK_NAMES):
+                    substitute = _RequireGradWithoutLeaf(self, hook)
+                    self._swapped_hooks[(module, hook_id)] = substitute
+                    module._forward_hooks[hook_id] = substitute
 
     def _restore_require_grads_hooks(self) -> None:
-        for (module, hook_id), hook in self._swapped_hooks.items():
-            if module._forward_hooks.get(hook_id) is _require_grad_without_leaf:
-                module._forward_hooks[hook_id] = hook
+        for (module, hook_id), substitute in self._swapped_hooks.items():
+            if module._forward_hooks.get(hook_id) is substitute:
+                module._forward_hooks[hook_id] = substitute.original
         self._swapped_hooks.clear()
 
     def _wrap_forward(self) -> None:
-        original = self.model.forward
-        handle = self
-
-        @functools.wraps(original)
-        def forward(*args, **kwargs):
-            # Only training forwards are engine steps: without grad nothing is saved, and in
-            # eval mode GradientCheckpointingLayer does not checkpoint. A context the user
-            # entered around the call is theirs to keep.
-            if not (torch.is_grad_enabled() and handle.model.training) or (
-                    ckpt_offload.current_engine() is not None):
-                return original(*args, **kwargs)
-            handle._begin_step()
-            handle._swap_require_grads_hooks()
-            with handle.engine:
-                return original(*args, **kwargs)
-
-        forward.__ckpt_offload_handle__ = self
         self._saved_forward = self.model.__dict__.get("forward", _MISSING)
-        self.model.forward = forward
+        self.model.forward = _OffloadingForward(self, self.model.forward)
+
+    def _forward_reduction(self):
+        """What the forward wrapper pickles and deep-copies as: the forward it replaced."""
+        if self._saved_forward is _MISSING:
+            # The class's forward, bound to the copy (the copy is made before its attributes).
+            return getattr, (self.model, "forward")
+        return _reduced_as(self._saved_forward)
 
     def disable(self) -> None:
         """Uninstalls: forward, checkpoint functions and checkpointing flags as before.
@@ -230,7 +270,7 @@ class OffloadHandle:
         if self._step_open:
             self._harvest(synchronize=True)
         forward = self.model.__dict__.get("forward")
-        if getattr(forward, "__ckpt_offload_handle__", None) is self:
+        if isinstance(forward, _OffloadingForward) and forward.handle is self:
             if self._saved_forward is _MISSING:
                 del self.model.forward
             else:
@@ -344,18 +384,30 @@ class _RequiresGrad(torch.autograd.Function):
 _ANCHOR = torch.zeros((), requires_grad=True)
 
 
-def _require_grad_without_leaf(module, inputs, output):
+class _RequireGradWithoutLeaf:
     """Stands in for enable_input_require_grads' `output.requires_grad_(True)` hook: the same
     outcome (the output requires grad, gradients reach the checkpointed layers' parameters
     exactly as before) without a leaf that AccumulateGrad keeps alive until backward. A
     model cannot modify the output in place either way (a leaf that requires grad refuses
     it, and so does a view made inside a custom Function)."""
-    if (isinstance(output, torch.Tensor) and not output.requires_grad
-            and torch.is_grad_enabled()):
-        return _RequiresGrad.apply(output, _ANCHOR)
-    if isinstance(output, torch.Tensor):
-        output.requires_grad_(True)  # without grad, or already requiring it: as the original
-    return None
+
+    def __init__(self, handle: OffloadHandle, original: Callable):
+        self.handle = handle
+        self.original = original
+
+    def __call__(self, module, inputs, output):
+        if (isinstance(output, torch.Tensor) and not output.requires_grad
+                and torch.is_grad_enabled()):
+            return _RequiresGrad.apply(output, _ANCHOR)
+        if isinstance(output, torch.Tensor):
+            output.requires_grad_(True)  # without grad, or already requiring it: as the original
+        return None
+
+    def __reduce_ex__(self, protocol):
+        return _reduced_as(self.original)
+
+    def __deepcopy__(self, memo):
+        return _deepcopy_reduced(self, memo)
 
 
 def _accumulate(totals: Dict[str, float], step: Dict[str, float]) -> None:
@@ -370,9 +422,16 @@ class _OffloadingCheckpoint:
     """Stands in for a module's `_gradient_checkpointing_func`: non-reentrant
     torch.utils.checkpoint whose positional tensor inputs are tagged as one offload group."""
 
-    def __init__(self, handle: OffloadHandle, options: Dict[str, Any]):
+    def __init__(self, handle: OffloadHandle, options: Dict[str, Any], original: Callable):
         self.handle = handle
         self.options = options
+        self.original = original  # the function replaced: what a copy of the model gets
+
+    def __reduce_ex__(self, protocol):
+        return _reduced_as(self.original)
+
+    def __deepcopy__(self, memo):
+        return _deepcopy_reduced(self, memo)
 
     def __call__(self, function: Callable, *args, **kwargs):
         function, args = _hidden_states_as_positional(function, args)
@@ -446,3 +505,50 @@ def _checkpoint_options(original: Any):
 
 def _is_hf_offload(function: Any) -> bool:
     return getattr(function, "__qualname__", "").endswith(_HF_OFFLOAD_CHECKPOINT)
+
+
+class _OffloadingForward:
+    """`model.forward` while installed: each training forward (grad enabled, training mode:
+    one micro-step) runs inside the handle's engine context."""
+
+    def __init__(self, handle: OffloadHandle, original: Callable):
+        self.handle = handle
+        self.original = original
+        # Name, docstring and __wrapped__, so inspect.signature(model.forward) is the
+        # original's (the Trainer reads it to drop dataset columns).
+        functools.update_wrapper(self, original)
+
+    def __call__(self, *args, **kwargs):
+        handle = self.handle
+        # Only training forwards are engine steps: without grad nothing is saved, and in
+        # eval mode GradientCheckpointingLayer does not checkpoint. A context the user
+        # entered around the call is theirs to keep.
+        if not (torch.is_grad_enabled() and handle.model.training) or (
+                ckpt_offload.current_engine() is not None):
+            return self.original(*args, **kwargs)
+        handle._begin_step()
+        handle._swap_require_grads_hooks()
+        with handle.engine:
+            return self.original(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        return self.handle._forward_reduction()
+
+    def __deepcopy__(self, memo):
+        return _deepcopy_reduced(self, memo)
+
+
+_PATCHES = (_OffloadingForward, _OffloadingCheckpoint, _RequireGradWithoutLeaf)
+
+
+def _reduced_as(original: Any):
+    """A __reduce_ex__ value that unpickles as `original` itself, through a standard-library
+    callable only: itemgetter(0)((original,)) is original."""
+    return operator.itemgetter(0), ((original,),)
+
+
+def _deepcopy_reduced(patch: Any, memo: dict):
+    """copy.deepcopy of a patch: its reduction rebuilt from deep copies, so that the copy of
+    a replaced object is made (or found in `memo`) as part of the same copy."""
+    rebuild, args = patch.__reduce_ex__(4)
+    return rebuild(*copy.deepcopy(args, memo))
