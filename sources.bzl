@@ -14,6 +14,11 @@ CORE_SRCS = [
     "numa.cc",
 ]
 
+# //offload_core:planner_lib, the offload planner (no torch, no CUDA).
+PLANNER_SRCS = [
+    "planner.cc",
+]
+
 # //offload_core, compiled when a CUDA toolkit is present (Bazel) or torch has CUDA (pip).
 CORE_CUDA_SRCS = [
     "cuda_device.cc",
@@ -27,4 +32,10 @@ PLUGIN_SRCS = [
 
 PLUGIN_PYBIND_SRCS = [
     "csrc/bindings.cc",
+]
+
+# //torch_plugin, the ckpt_offload._plan extension: the planner for Python (pybind11 only,
+# no torch), built with //offload_core's sources without CUDA.
+PLAN_PYBIND_SRCS = [
+    "csrc/plan_module.cc",
 ]

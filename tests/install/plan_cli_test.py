@@ -1,0 +1,168 @@
+"""`python -m ckpt_offload.plan`: offload_plan's output from Python, a Hugging Face config.json
+for the shape, and errors that name the flag or key."""
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+# Llama-3-8B's shape as its config.json states it (the llama-8b preset).
+LLAMA_8B_CONFIG = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+    "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
+    "num_key_value_heads": 8, "torch_dtype": "bfloat16", "vocab_size": 128256,
+}
+
+
+def offload_plan_binary():
+    roots = [os.environ.get(v) for v in ("TEST_SRCDIR", "RUNFILES_DIR")]
+    for candidate in [pathlib.Path(r) / "ckpt_offload/offload_core/offload_plan"
+                      for r in roots if r] + [
+            pathlib.Path(__file__).parents[2] / "offload_core/offload_plan"]:
+        if candidate.is_file():
+            return str(candidate)
+    pytest.fail("offload_plan binary not in the runfiles")
+
+
+def run(*args, check=True):
+    """`python -m ckpt_offload.plan ARGS` in this process: (exit status, stdout, stderr)."""
+    from ckpt_offload import plan
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = plan.main(list(args))
+    result = subprocess.CompletedProcess(args, status, out.getvalue(), err.getvalue())
+    if check:
+        assert result.returncode == 0, result.stderr
+    return result
+
+
+def run_module(*args):
+    """The same as a separate process, the way users run it."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.run([sys.executable, "-m", "ckpt_offload.plan", *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+def write_config(tmp_path, config, name="Llama-3-8B"):
+    model_dir = tmp_path / name
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(config))
+    return model_dir
+
+
+@pytest.mark.parametrize("flags", [
+    ["--preset=llama-70b", "--seq=131072", "--host_ram=2TiB"],
+    ["--preset=llama-8b", "--seq", "32768", "--batch=2", "--gpus_per_node=4", "--json"],
+    ["--layers=4", "--hidden=256", "--ffn=1024", "--heads=4", "--kv_heads=2", "--keep_last=0"],
+    ["--help"],
+])
+def test_output_is_offload_plans(flags):
+    expected = subprocess.run([offload_plan_binary(), *flags], capture_output=True, text=True,
+                              check=True).stdout
+    got = run(*flags).stdout
+    if flags == ["--help"]:
+        assert got.startswith(expected) and "--config=PATH" in got[len(expected):]
+    else:
+        assert got == expected
+
+
+def test_config_json_gives_the_presets_figures(tmp_path):
+    model_dir = write_config(tmp_path, LLAMA_8B_CONFIG)
+    common = ["--seq=32768", "--gpus_per_node=8", "--host_ram=1TiB", "--json"]
+    from_config = json.loads(run(f"--config={model_dir / 'config.json'}", *common).stdout)
+    from_dir = json.loads(run("--config", str(model_dir), *common).stdout)
+    preset = json.loads(run("--preset=llama-8b", *common).stdout)
+    assert from_config == from_dir
+    assert from_config.pop("model") == "Llama-3-8B"  # the config's directory names it
+    preset.pop("model")
+    assert from_config == preset
+    assert preset["host_limit_per_gpu"] == 2**40 // 2 // 8
+    table = run(f"--config={model_dir}", "--seq=32768", "--host_ram=1TiB").stdout
+    for row in ("Llama-3-8B: 32 layers, hidden 4096, ffn 14336, 32 heads (8 kv)",
+                "host bytes per GPU", "host bytes per node (8 GPUs)", "PCIe per step",
+                "exposed transfer per step", "host limit per GPU"):
+        assert row in table, (row, table)
+
+
+def test_flags_override_the_config_and_its_dtype_is_used(tmp_path):
+    config = dict(LLAMA_8B_CONFIG, torch_dtype="float32", _name_or_path="org/model")
+    model_dir = write_config(tmp_path, config)
+    plan = json.loads(run(f"--config={model_dir}", "--layers=8", "--json").stdout)
+    assert (plan["layers"], plan["dtype"], plan["model"]) == (8, "fp32", "org/model")
+    plan = json.loads(run(f"--config={model_dir}", "--dtype=bf16", "--name=x", "--json").stdout)
+    assert (plan["layers"], plan["dtype"], plan["model"]) == (32, "bf16", "x")
+
+
+def test_multimodal_text_config_and_missing_kv_heads(tmp_path):
+    text = {k: v for k, v in LLAMA_8B_CONFIG.items() if k != "num_key_value_heads"}
+    model_dir = write_config(tmp_path, {"model_type": "llava", "text_config": text})
+    plan = json.loads(run(f"--config={model_dir}", "--json").stdout)
+    assert (plan["layers"], plan["heads"], plan["kv_heads"]) == (32, 32, 32)
+
+
+def test_as_a_module_with_exit_statuses():
+    result = run_module("--preset=llama-70b", "--seq=131072", "--host_ram=2TiB")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == subprocess.run(
+        [offload_plan_binary(), "--preset=llama-70b", "--seq=131072", "--host_ram=2TiB"],
+        capture_output=True, text=True, check=True).stdout
+    result = run_module("--preset=llama-8b", "--seq=abc")
+    assert result.returncode == 2 and result.stdout == ""
+    assert "ckpt_offload.plan: --seq must be a positive integer, got 'abc'" in result.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--preset=llama-8b", "--seq=abc"], "--seq must be a positive integer, got 'abc'"),
+    (["--preset=llama-8b", "--host_ram=lots"], "--host_ram must be a byte count"),
+    (["--preset=llama-8b", "--bogus=1"], "unknown flag --bogus"),
+    (["--config"], "--config needs a value"),
+    (["--config=/nonexistent/config.json"], "--config: cannot read /nonexistent/config.json"),
+])
+def test_bad_flags_exit_2_naming_the_flag(args, message):
+    result = run(*args, check=False)
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+    assert result.stdout == ""
+
+
+def test_config_errors_name_the_file_and_key_gpt2_defaults(tmp_path):
+    no_ffn = {k: v for k, v in LLAMA_8B_CONFIG.items() if k != "intermediate_size"}
+    gpt2 = {"n_layer": 12, "n_embd": 768, "n_head": 12, "n_inner": None}
+    cases = [
+        (no_ffn, "has none of intermediate_size, n_inner, ffn_dim (needed for --ffn)"),
+        (dict(LLAMA_8B_CONFIG, hidden_size="4096"), "hidden_size must be a positive integer"),
+        (dict(LLAMA_8B_CONFIG, num_hidden_layers=0), "num_hidden_layers must be a positive"),
+    ]
+    for i, (config, message) in enumerate(cases):
+        model_dir = write_config(tmp_path, config, name=f"m{i}")
+        result = run(f"--config={model_dir}", check=False)
+        assert result.returncode == 2
+        assert str(model_dir / "config.json") in result.stderr and message in result.stderr, \
+            result.stderr
+    plan = json.loads(run(f"--config={write_config(tmp_path, gpt2, 'gpt2')}", "--json").stdout)
+    assert (plan["layers"], plan["ffn"], plan["kv_heads"]) == (12, 4 * 768, 12)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    result = run(f"--config={broken}", check=False)
+    assert result.returncode == 2 and "is not JSON" in result.stderr
+
+
+def test_planner_module_needs_no_torch():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    code = ("import importlib.util, sys, os\n"
+            "spec = importlib.util.find_spec('ckpt_offload')\n"
+            "path = [p for p in spec.submodule_search_locations "
+            "if any(n.startswith('_plan') for n in os.listdir(p))][0]\n"
+            "sys.path.insert(0, path)\n"
+            "import _plan\n"
+            "assert 'torch' not in sys.modules\n"
+            "print(_plan.run(['--preset=llama-1b', '--json']))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         check=True).stdout
+    assert json.loads(out)["model"] == "llama-1b"
