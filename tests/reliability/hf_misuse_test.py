@@ -245,17 +245,19 @@ def ours(model):
     return found
 
 
-FAILURES = ["layer forward", "backward", "on_step_end", "on_train_begin"]
+# Where train() raises, and how the offload callback was registered.
+FAILURES = [("layer forward", "callbacks"), ("layer forward", "attach"), ("backward", "attach"),
+            ("on_step_end", "callbacks"), ("on_train_begin", "callbacks")]
 
 
-@pytest.mark.parametrize("registration", ["callbacks", "attach"])
-@pytest.mark.parametrize("where", FAILURES)
+@pytest.mark.parametrize("where, registration", FAILURES)
 def test_failed_train_uninstalls_and_leaves_the_model_as_before(tmp_path, where, registration):
     model = tiny_llama()
     callback = ActivationOffloadCallback(**fresh_host_config(keep_last=0))
     fault = Fault(model, where, callback)
     first = Snapshot()
-    trainer = make_trainer(model, tmp_path, [callback, fault], registration, first=[first])
+    trainer = make_trainer(model, tmp_path, [callback, fault], registration, first=[first],
+                           max_steps=2)
 
     with pytest.raises(Boom) as caught:
         trainer.train()
@@ -305,7 +307,7 @@ def fail_then_retry(tmp_path, registration=None, checkpointing_by_trainer=True):
 
 
 @pytest.mark.parametrize("checkpointing_by_trainer", [True, False])
-@pytest.mark.parametrize("registration", ["add_callback", "callbacks", "attach"])
+@pytest.mark.parametrize("registration", ["add_callback", "callbacks"])
 def test_retry_with_a_new_callback_after_a_failed_train(tmp_path, registration,
                                                         checkpointing_by_trainer):
     plain_model, _, plain_losses, _, _, _ = fail_then_retry(
