@@ -2,35 +2,56 @@
 //
 // Design note
 // -----------
-// The arena keeps slabs from the backend and hands out 256-byte-aligned ranges of them.
-// Three choices carry the weight. Each was measured on the recorded traces in
-// tests/offload_core/host_arena_test.cc (31 layers, 64 MiB blocks at full length S, 200
-// steps with seq uniform in [S/2, S]) against a variant without it:
+// Why the pool grew after warm-up (the previous policy; figures from the issue):
+// - Two size classes that shared nothing. Requests under min_slab_bytes (16 MiB) took
+//   16 MiB shared slabs, so an entry of 9-16 MiB had a slab to itself with up to 44 % of it
+//   idle (156 MiB live, 256 MiB reserved); and each class kept enough for its own peak, so
+//   when the length moved entries across 16 MiB the pool held both peaks, and the step whose
+//   mix leaned further to one side than before found that class short and grew (7 -> 13
+//   pinned allocations at step 31).
+// - Growth released completely free slabs smaller than the request before asking for a new
+//   one. With entries of several sizes (a layer's 16 MiB input, the head's 32 MiB one at 1B
+//   s4k) and frees that lag (a block returns only after its copy completed; the next step's
+//   first copies can start before the previous step's last frees), a request that found no
+//   fit released slabs the next request needed: slabs released and obtained again long
+//   after warm-up (the one slow step at a fixed length).
+// - One slab per block, of exactly the request: each new longest length replaced every
+//   slab, the whole pool (1.4 s at 8B).
 //
-// 1. Best fit over free ranges (shortest, then lowest address), coalescing neighbours
-//    inside a slab. Every step frees all its blocks, so its slabs become whole again and
-//    a shorter step reuses the full-length slabs without allocating more.
-// 2. Growth gives back what is too small. When a class must grow, its completely free
-//    slabs smaller than the request go back to the backend first. Without this, every
-//    step longer than all earlier ones keeps the previous generation of slabs as well:
-//    reserved reached 2.5-3.8x peak live. With it the worst reserved/peak-live ratio over
-//    the whole trace is 1.00-1.05 (granularity rounding only), and the backend is never
-//    called after the first S-sized step.
-// 3. Two slab classes. A request of at least min_slab_bytes ("large") gets its own slab of
-//    round_up(request, slab_granularity) when nothing fits; smaller requests share slabs of
-//    min_slab_bytes. Each class searches only its own slabs. With one index for both, small
-//    blocks that outlive their step settle in the tails of large slabs, the next step's
-//    large block no longer fits, and the arena grows: with one such small tensor per layer
-//    living two steps, a single index made 7-25 backend allocations after the full step
-//    and reserved rose to 1.5-2.1x peak live; two classes allocated no large slab after it
-//    and stayed at or below 1.05x. (With small tensors freed inside their step both do
-//    equally well.) The other class is searched only when the cap leaves no room for a new
-//    slab: using that memory beats refusing.
+// The policy now:
+// 1. One pool; first fit in slab creation order. A large request takes the lowest range
+//    that holds it, a small one (below min_slab_bytes) the high end of the highest, so
+//    small tensors that outlive their step gather at slab ends. New slabs come last in the
+//    order and a slab is only released while free, so a step that grew the pool is placed
+//    the same way when it runs again (each block in the slab it got the first time): the
+//    backend is called again only for a step that needs more than any before it.
+// 2. Growth aims at the bound, 1.15 * W + granularity (W: high water of live bytes, or the
+//    largest Reserve): the headroom lets the next, slightly longer steps fit, so rising
+//    lengths grow the pool in few steps. Free slabs are given back only when the growth
+//    would break the bound otherwise; then all of them go and their bytes are folded into
+//    the one new slab: a new longest length replaces per-block slabs of an earlier, shorter
+//    one with a single large slab, and later new lengths add slabs for their extra bytes.
+//    Slab sizes are not rounded to the granularity (rounding down would cut the headroom,
+//    up would add a granule per slab); near the cap they are whole multiples of the request.
+// 3. Within the bound, fragmentation is tails: a slab's free end shorter than the next
+//    block. When a growth finds no room left under the bound and no free slab (tails of
+//    many partly used slabs), it takes the exact request anyway (overbound_growths) and
+//    every slab holding blocks but the largest retires: retiring slabs still serve
+//    requests; the moment none of them holds a block (in a step-ordered loop, the end of
+//    that step's backward, or the next step's start when blocks are carried over) they
+//    are replaced by one slab that takes the pool back to the bound (consolidations).
+//    This keeps the slab count, and with it the tails, small.
+// Limits, measured on host_arena_steps_test's traces: the first step of an arena without
+// Reserve makes about one slab per block (the bound leaves no room for more while live
+// bytes are small; 31-45 backend allocations for 32 layers); with blocks carried across
+// steps, a step whose live set an earlier one covered made one backend allocation in a few
+// traces (the carried blocks leave holes the earlier step did not have). Reserve up front
+// avoids both: one allocation for the whole run.
 //
-// The cap is hard. When a new slab would cross it the arena uses a fit in the other class
-// if there is one, else releases completely free slabs (largest first) if that makes room,
-// else takes a slab of exactly the aligned request instead of the rounded one; only when
-// nothing of that works does it refuse. A refused request releases nothing.
+// The cap is hard. When a new slab would cross it the arena takes a smaller one (whole
+// requests, then the rounded request, then the exact one), else releases completely free
+// slabs (largest first) if that makes room; only when nothing of that works does it refuse.
+// A refused request releases nothing.
 //
 // One std::mutex guards everything, including backend calls (the backend contract lets
 // the arena serialize them). The backend is only called while the pool grows, so the
@@ -112,28 +133,29 @@ std::unique_ptr<HostMemoryBackend> MakeAlignedHostBackend() {
 }
 
 struct HostArena::Impl {
-  enum class SizeClass { kSmall, kLarge };
-
   // One backend allocation and the parts of it not handed out.
   struct Slab {
     uintptr_t base = 0;
     size_t bytes = 0;
-    SizeClass size_class = SizeClass::kLarge;
     size_t live_bytes = 0;  // 0 exactly when the slab is one free range
     // offset -> length; never two adjacent entries (Free coalesces).
     std::map<size_t, size_t> free_ranges;
+    size_t largest_free = 0;  // the longest entry of free_ranges (0 when none)
+    uint64_t sequence = 0;    // creation order
+    bool retiring = false;    // replaced by one slab once every retiring slab is free
   };
 
-  // Key of the best-fit index: shortest range first, then lowest address.
+  // A free range chosen for a request.
   struct FreeRange {
     size_t length;
     uintptr_t start;
     Slab* slab;
-    bool operator<(const FreeRange& other) const {
-      return length != other.length ? length < other.length : start < other.start;
-    }
   };
-  using FreeIndex = std::set<FreeRange>;
+
+  // The order requests search slabs in: oldest first (design note, point 1).
+  struct OldestSlabFirst {
+    bool operator()(const Slab* a, const Slab* b) const { return a->sequence < b->sequence; }
+  };
 
   struct LiveBlock {
     Slab* slab;
@@ -147,71 +169,99 @@ struct HostArena::Impl {
     if (!RoundUpChecked(granularity, kHostBlockAlignment, &options.slab_granularity)) {
       options.slab_granularity = kHostBlockAlignment;
     }
-    if (!RoundUpChecked(options.min_slab_bytes, kHostBlockAlignment, &options.min_slab_bytes)) {
-      options.min_slab_bytes = kHostBlockAlignment;
-    }
     stats.byte_cap = options.byte_cap;
   }
 
-  FreeIndex& IndexFor(SizeClass size_class) {
-    return size_class == SizeClass::kSmall ? small_free : large_free;
+  static void RecomputeLargestFree(Slab* slab) {
+    slab->largest_free = 0;
+    for (const auto& [offset, length] : slab->free_ranges) {
+      slab->largest_free = std::max(slab->largest_free, length);
+    }
   }
 
-  void AddFreeRange(Slab* slab, size_t offset, size_t length) {
+  static void AddFreeRange(Slab* slab, size_t offset, size_t length) {
     slab->free_ranges.emplace(offset, length);
-    IndexFor(slab->size_class).insert(FreeRange{length, slab->base + offset, slab});
+    slab->largest_free = std::max(slab->largest_free, length);
   }
 
-  void RemoveFreeRange(Slab* slab, size_t offset, size_t length) {
+  static void RemoveFreeRange(Slab* slab, size_t offset, size_t length) {
     slab->free_ranges.erase(offset);
-    IndexFor(slab->size_class).erase(FreeRange{length, slab->base + offset, slab});
+    if (length == slab->largest_free) RecomputeLargestFree(slab);
   }
 
-  // Moves or resizes a free range in place. Reuses both containers' nodes (C++17 node
-  // handles) so the steady-state Allocate/Free path does not touch the heap for them.
-  void ResizeFreeRange(Slab* slab, size_t offset, size_t length, size_t new_offset,
-                       size_t new_length) {
+  // Moves or resizes a free range in place. Reuses the map's node (C++17 node handles) so
+  // the steady-state Allocate/Free path does not touch the heap for it.
+  static void ResizeFreeRange(Slab* slab, size_t offset, size_t length, size_t new_offset,
+                              size_t new_length) {
     auto range_node = slab->free_ranges.extract(offset);
     range_node.key() = new_offset;
     range_node.mapped() = new_length;
     slab->free_ranges.insert(std::move(range_node));
-    FreeIndex& index = IndexFor(slab->size_class);
-    auto index_node = index.extract(FreeRange{length, slab->base + offset, slab});
-    index_node.value() = FreeRange{new_length, slab->base + new_offset, slab};
-    index.insert(std::move(index_node));
+    if (new_length >= slab->largest_free) {
+      slab->largest_free = new_length;
+    } else if (length == slab->largest_free) {
+      RecomputeLargestFree(slab);
+    }
   }
 
-  // The shortest free range of `index` holding `need` bytes, or nullptr.
-  static const FreeRange* BestFit(const FreeIndex& index, size_t need) {
-    auto it = index.lower_bound(FreeRange{need, 0, nullptr});
-    return it == index.end() ? nullptr : &*it;
+  // First fit in slab order: a large request takes the lowest-address range that holds it
+  // in the first slab that has one, a small request the highest-address one (design note,
+  // point 1). Returns false when no free range holds `need` bytes.
+  bool FindFit(size_t need, FreeRange* fit) const {
+    const bool small = need < options.min_slab_bytes;
+    for (Slab* slab : slab_order) {
+      if (slab->largest_free < need) continue;
+      if (small) {
+        for (auto it = slab->free_ranges.rbegin(); it != slab->free_ranges.rend(); ++it) {
+          if (it->second >= need) {
+            *fit = FreeRange{it->second, slab->base + it->first, slab};
+            return true;
+          }
+        }
+      } else {
+        for (const auto& [offset, length] : slab->free_ranges) {
+          if (length >= need) {
+            *fit = FreeRange{length, slab->base + offset, slab};
+            return true;
+          }
+        }
+      }
+    }
+    return false;
   }
 
-  // Hands out the first `need` bytes of `range` (which must hold them).
+  // Hands out `need` bytes of `range` (which must hold them): its low end for a large
+  // request, its high end for a small one (design note, point 1).
   HostBlock Carve(FreeRange range, size_t need) {
     Slab* slab = range.slab;
     const size_t offset = range.start - slab->base;
-    if (range.length > need) {
-      ResizeFreeRange(slab, offset, range.length, offset + need, range.length - need);
-    } else {
+    const bool from_high_end = need < options.min_slab_bytes;
+    uintptr_t start = range.start;
+    if (range.length == need) {
       RemoveFreeRange(slab, offset, range.length);
+    } else if (from_high_end) {
+      ResizeFreeRange(slab, offset, range.length, offset, range.length - need);
+      start = range.start + range.length - need;
+    } else {
+      ResizeFreeRange(slab, offset, range.length, offset + need, range.length - need);
     }
+    if (slab->retiring && slab->live_bytes == 0) ++retiring_live_slabs;
     slab->live_bytes += need;
-    live.emplace(range.start, LiveBlock{slab, need});
+    live.emplace(start, LiveBlock{slab, need});
     stats.live_bytes += need;
     stats.peak_live_bytes = std::max(stats.peak_live_bytes, stats.live_bytes);
+    stats.high_water_bytes = std::max(stats.high_water_bytes, stats.live_bytes);
     ++stats.live_blocks;
     ++stats.allocations;
-    return HostBlock{reinterpret_cast<void*>(range.start), need};
+    return HostBlock{reinterpret_cast<void*>(start), need};
   }
 
-  absl::StatusOr<Slab*> AddSlab(size_t bytes, SizeClass size_class) {
+  absl::StatusOr<Slab*> AddSlab(size_t bytes) {
     const auto start = std::chrono::steady_clock::now();
     absl::StatusOr<void*> memory = backend->Allocate(bytes);
     stats.backend_alloc_seconds +=
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (!memory.ok()) {
-      ++stats.backend_failures;
       return absl::Status(
           memory.status().code(),
           absl::StrCat("HostArena: backend '", backend->name(), "' refused a slab of ", bytes,
@@ -221,7 +271,6 @@ struct HostArena::Impl {
     if (base == 0 || base % kHostBlockAlignment != 0) {
       // A backend bug; handing out misaligned blocks would break every caller's copy path.
       backend->Free(*memory, bytes);
-      ++stats.backend_failures;
       return absl::InternalError(absl::StrCat("HostArena: backend '", backend->name(),
                                               "' returned a slab at ", base, " not aligned to ",
                                               kHostBlockAlignment));
@@ -229,9 +278,10 @@ struct HostArena::Impl {
     auto slab = std::make_unique<Slab>();
     slab->base = base;
     slab->bytes = bytes;
-    slab->size_class = size_class;
+    slab->sequence = next_sequence++;
     Slab* raw = slab.get();
     slabs.emplace(base, std::move(slab));
+    slab_order.insert(raw);
     AddFreeRange(raw, 0, bytes);
     stats.reserved_bytes += bytes;
     ++stats.backend_allocations;
@@ -245,34 +295,29 @@ struct HostArena::Impl {
     backend->Free(reinterpret_cast<void*>(base), bytes);
     stats.reserved_bytes -= bytes;
     ++stats.backend_frees;
+    if (slab->retiring) --retiring_slabs;
+    slab_order.erase(slab);
     slabs.erase(base);  // destroys *slab
   }
 
-  // Completely free slabs, largest first (releasing those first frees the most memory per
-  // slab given up).
-  std::vector<Slab*> FreeSlabsLargestFirst() const {
+  // Completely free slabs, smallest first (ties: lowest address).
+  std::vector<Slab*> FreeSlabsSmallestFirst() const {
     std::vector<Slab*> result;
     for (const auto& entry : slabs) {
       if (entry.second->live_bytes == 0) result.push_back(entry.second.get());
     }
     std::stable_sort(result.begin(), result.end(),
-                     [](const Slab* a, const Slab* b) { return a->bytes > b->bytes; });
+                     [](const Slab* a, const Slab* b) { return a->bytes < b->bytes; });
     return result;
   }
 
-  size_t FreeSlabBytes() const {
-    size_t total = 0;
-    for (const auto& entry : slabs) {
-      if (entry.second->live_bytes == 0) total += entry.second->bytes;
-    }
-    return total;
-  }
-
-  // Releases completely free slabs, largest first, until reserved <= target or none is left.
+  // Releases completely free slabs, largest first (the fewest slabs given up per byte),
+  // until reserved <= target or none is left.
   void ReleaseFreeSlabsDownTo(size_t target) {
-    for (Slab* slab : FreeSlabsLargestFirst()) {
+    std::vector<Slab*> free_slabs = FreeSlabsSmallestFirst();
+    for (auto it = free_slabs.rbegin(); it != free_slabs.rend(); ++it) {
       if (stats.reserved_bytes <= target) return;
-      ReleaseSlab(slab);
+      ReleaseSlab(*it);
     }
   }
 
@@ -281,27 +326,20 @@ struct HostArena::Impl {
     return options.byte_cap > reserved ? options.byte_cap - reserved : 0;
   }
 
-  size_t FreeSlabBytesSmallerThan(size_t need, SizeClass size_class) const {
-    size_t total = 0;
-    for (const auto& entry : slabs) {
-      const Slab& slab = *entry.second;
-      if (slab.size_class == size_class && slab.live_bytes == 0 && slab.bytes < need) {
-        total += slab.bytes;
-      }
+  // 1.15 * high_water + granularity, saturating (design note, point 2).
+  size_t Bound(size_t high_water) const {
+    const size_t extra = high_water / 20 * 3 + (high_water % 20) * 3 / 20;
+    size_t bound = high_water;
+    for (size_t add : {extra, options.slab_granularity}) {
+      bound = bound > std::numeric_limits<size_t>::max() - add
+                  ? std::numeric_limits<size_t>::max()
+                  : bound + add;
     }
-    return total;
+    return bound;
   }
 
-  // Growth policy (design note, point 2).
-  void ReleaseFreeSlabsSmallerThan(size_t need, SizeClass size_class) {
-    std::vector<Slab*> too_small;
-    for (const auto& entry : slabs) {
-      const Slab& slab = *entry.second;
-      if (slab.size_class == size_class && slab.live_bytes == 0 && slab.bytes < need) {
-        too_small.push_back(entry.second.get());
-      }
-    }
-    for (Slab* slab : too_small) ReleaseSlab(slab);
+  size_t RoundDownToGranularity(size_t value) const {
+    return value - value % options.slab_granularity;
   }
 
   absl::Status CapRefusal(size_t requested, size_t slab_bytes) {
@@ -312,6 +350,115 @@ struct HostArena::Impl {
                      stats.live_bytes, ", a new slab needs ", slab_bytes, ")"));
   }
 
+  // The pool must grow for a request of `need` (aligned) bytes that no free range holds.
+  // Plans everything first: a refused request leaves the pool as it was.
+  absl::StatusOr<HostBlock> Grow(size_t requested, size_t need) {
+    size_t rounded = need;  // the smallest granular slab holding the request
+    if (!RoundUpChecked(need, options.slab_granularity, &rounded)) rounded = need;
+    const size_t high_water =
+        std::max(stats.high_water_bytes,
+                 stats.live_bytes > std::numeric_limits<size_t>::max() - need
+                     ? std::numeric_limits<size_t>::max()
+                     : stats.live_bytes + need);
+    const size_t bound = Bound(high_water);
+
+    // Every completely free slab is smaller than the request (it would have held it).
+    std::vector<Slab*> free_slabs = FreeSlabsSmallestFirst();
+    size_t free_bytes = 0;
+    for (const Slab* slab : free_slabs) free_bytes += slab->bytes;
+
+    // The bound: when the growth would break it, every free slab goes back and its bytes
+    // go into the one new slab (design note, point 2).
+    std::vector<Slab*> to_release;
+    size_t reserved_after = stats.reserved_bytes;
+    if (reserved_after + need > bound) {
+      to_release = free_slabs;
+      reserved_after -= free_bytes;
+    }
+    // Aim at the bound: the headroom serves the next, longer steps without a backend call.
+    // Not rounded to the granularity: rounding down would cut the headroom that lets a
+    // slab hold a slightly longer block, rounding up would add a granule per slab.
+    const size_t room_in_bound = bound > reserved_after ? bound - reserved_after : 0;
+    size_t slab_bytes = need;
+    if (room_in_bound >= need) slab_bytes = room_in_bound - room_in_bound % kHostBlockAlignment;
+
+    // The cap.
+    size_t room = Headroom(reserved_after);
+    if (room < slab_bytes || room - slab_bytes < rounded) {
+      // Near the cap: a whole number of requests of this size, so the headroom holds
+      // blocks like this one instead of leaving a tail none of them fits in.
+      slab_bytes = std::min(slab_bytes, room);
+      slab_bytes -= slab_bytes % (slab_bytes >= rounded ? rounded : kHostBlockAlignment);
+    }
+    if (slab_bytes < need || slab_bytes > room) slab_bytes = rounded;
+    if (slab_bytes > room) slab_bytes = need;  // exact: the rounded slab crosses the cap
+    if (slab_bytes > room) {
+      // Release more free slabs, largest first, if that makes room.
+      const size_t reachable = Headroom(stats.reserved_bytes - free_bytes);
+      if (need > reachable) return CapRefusal(requested, need);
+      slab_bytes = rounded <= reachable ? rounded : need;
+      for (auto it = free_slabs.rbegin(); room < slab_bytes; ++it) {
+        if (std::find(to_release.begin(), to_release.end(), *it) != to_release.end()) continue;
+        to_release.push_back(*it);
+        reserved_after -= (*it)->bytes;
+        room = Headroom(reserved_after);
+      }
+    }
+
+    for (Slab* slab : to_release) ReleaseSlab(slab);
+    absl::StatusOr<Slab*> slab = AddSlab(slab_bytes);
+    if (!slab.ok()) {
+      ++stats.backend_failures;
+      return slab.status();
+    }
+    const HostBlock block = Carve(FreeRange{slab_bytes, (*slab)->base, *slab}, need);
+    if (stats.reserved_bytes > bound) {
+      ++stats.overbound_growths;
+      RetireAllButTheLargest();
+    }
+    return block;
+  }
+
+  // Over the bound (design note, point 3): every slab holding blocks but the largest one
+  // retires. Retiring slabs still serve requests; once none of them holds a block they are
+  // replaced by one slab that takes the pool back to the bound.
+  void RetireAllButTheLargest() {
+    Slab* largest = nullptr;
+    for (Slab* slab : slab_order) {
+      if (largest == nullptr || slab->bytes > largest->bytes) largest = slab;
+    }
+    for (Slab* slab : slab_order) {
+      if (slab == largest || slab->retiring) continue;
+      slab->retiring = true;
+      ++retiring_slabs;
+      if (slab->live_bytes > 0) ++retiring_live_slabs;
+    }
+    if (retiring_slabs > 0 && retiring_live_slabs == 0) Consolidate();
+  }
+
+  // Replaces the (now completely free) retiring slabs by one slab of what the bound allows.
+  void Consolidate() {
+    std::vector<Slab*> retiring;
+    size_t retiring_bytes = 0;
+    for (Slab* slab : slab_order) {
+      if (slab->retiring) {
+        retiring.push_back(slab);
+        retiring_bytes += slab->bytes;
+      }
+    }
+    const size_t kept = stats.reserved_bytes - retiring_bytes;
+    const size_t bound = Bound(stats.high_water_bytes);
+    size_t slab_bytes = bound > kept ? bound - kept : 0;
+    slab_bytes = std::min(slab_bytes, Headroom(kept));
+    slab_bytes -= slab_bytes % kHostBlockAlignment;
+    const bool allocate_first = slab_bytes > 0 && slab_bytes <= Headroom(stats.reserved_bytes);
+    bool added = false;
+    if (allocate_first) added = AddSlab(slab_bytes).ok();
+    for (Slab* slab : retiring) ReleaseSlab(slab);
+    if (!allocate_first && slab_bytes > 0) added = AddSlab(slab_bytes).ok();
+    if (added) ++stats.consolidations;
+  }
+
   absl::StatusOr<HostBlock> Allocate(size_t requested) {
     size_t need = 0;
     const bool representable =
@@ -319,39 +466,39 @@ struct HostArena::Impl {
     std::lock_guard<std::mutex> lock(mu);
     // Larger than any address space: no cap can admit it.
     if (!representable) return CapRefusal(requested, requested);
+    FreeRange fit;
+    if (FindFit(need, &fit)) return Carve(fit, need);
+    return Grow(requested, need);
+  }
 
-    const SizeClass size_class =
-        need < options.min_slab_bytes ? SizeClass::kSmall : SizeClass::kLarge;
-    if (const FreeRange* fit = BestFit(IndexFor(size_class), need)) return Carve(*fit, need);
-
-    size_t preferred = need;
-    if (size_class == SizeClass::kSmall) {
-      preferred = options.min_slab_bytes;
-    } else if (!RoundUpChecked(need, options.slab_granularity, &preferred)) {
-      preferred = need;
+  absl::Status Reserve(size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (bytes > options.byte_cap) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("HostArena::Reserve: ", bytes, " bytes are above the byte cap of ",
+                       options.byte_cap, " bytes"));
     }
-    // Nothing is released until the request is known to be servable: a refused request
-    // leaves the pool as it was.
-    const size_t too_small = FreeSlabBytesSmallerThan(need, size_class);
-    const size_t headroom_after_growth_release = Headroom(stats.reserved_bytes - too_small);
-    size_t slab_bytes = preferred;
-    if (slab_bytes > headroom_after_growth_release) {
-      const SizeClass other =
-          size_class == SizeClass::kSmall ? SizeClass::kLarge : SizeClass::kSmall;
-      if (const FreeRange* fit = BestFit(IndexFor(other), need)) return Carve(*fit, need);
-      // The largest slab that fits under the cap once every completely free slab is gone.
-      const size_t reachable = Headroom(stats.reserved_bytes - FreeSlabBytes());
-      if (preferred > reachable) slab_bytes = need;
-      if (slab_bytes > reachable) return CapRefusal(requested, slab_bytes);
+    if (bytes > stats.reserved_bytes) {
+      size_t slab_bytes = 0;
+      const size_t missing = bytes - stats.reserved_bytes;
+      if (!RoundUpChecked(missing, kHostBlockAlignment, &slab_bytes)) slab_bytes = missing;
+      size_t rounded = slab_bytes;
+      if (RoundUpChecked(missing, options.slab_granularity, &rounded) &&
+          rounded <= Headroom(stats.reserved_bytes)) {
+        slab_bytes = rounded;
+      }
+      if (slab_bytes > Headroom(stats.reserved_bytes)) {
+        // Only alignment rounding can cross a cap that `bytes` itself is under.
+        return absl::ResourceExhaustedError(
+            absl::StrCat("HostArena::Reserve: ", bytes, " bytes need a slab of ", slab_bytes,
+                         " bytes, above what the byte cap of ", options.byte_cap, " leaves"));
+      }
+      absl::StatusOr<Slab*> slab = AddSlab(slab_bytes);
+      if (!slab.ok()) return slab.status();
+      ++stats.reserve_calls;
     }
-    ReleaseFreeSlabsSmallerThan(need, size_class);
-    if (slab_bytes > Headroom(stats.reserved_bytes)) {
-      ReleaseFreeSlabsDownTo(options.byte_cap - slab_bytes);
-    }
-
-    absl::StatusOr<Slab*> slab = AddSlab(slab_bytes, size_class);
-    if (!slab.ok()) return slab.status();
-    return Carve(FreeRange{slab_bytes, (*slab)->base, *slab}, need);
+    stats.high_water_bytes = std::max(stats.high_water_bytes, bytes);
+    return absl::OkStatus();
   }
 
   void Free(const HostBlock& block) {
@@ -393,14 +540,17 @@ struct HostArena::Impl {
     } else {
       AddFreeRange(slab, offset, length);
     }
+    if (slab->retiring && slab->live_bytes == 0 && --retiring_live_slabs == 0) Consolidate();
   }
 
   std::mutex mu;
   std::unique_ptr<HostMemoryBackend> backend;
   ArenaOptions options;                              // sanitized copy
   std::map<uintptr_t, std::unique_ptr<Slab>> slabs;  // by base address
-  FreeIndex small_free;
-  FreeIndex large_free;
+  std::set<Slab*, OldestSlabFirst> slab_order;
+  uint64_t next_sequence = 0;
+  size_t retiring_slabs = 0;       // slabs with `retiring` set
+  size_t retiring_live_slabs = 0;  // ... of them holding at least one block
   std::unordered_map<uintptr_t, LiveBlock> live;  // by block start
   ArenaStats stats;
 };
@@ -424,6 +574,8 @@ HostArena::~HostArena() {
 
 absl::StatusOr<HostBlock> HostArena::Allocate(size_t bytes) { return impl_->Allocate(bytes); }
 
+absl::Status HostArena::Reserve(size_t bytes) { return impl_->Reserve(bytes); }
+
 void HostArena::Free(const HostBlock& block) { impl_->Free(block); }
 
 void HostArena::SetByteCap(size_t byte_cap) {
@@ -445,7 +597,13 @@ void HostArena::ResetPeak() {
 
 ArenaStats HostArena::stats() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  return impl_->stats;
+  ArenaStats stats = impl_->stats;
+  if (impl_->retiring_slabs > 0) {
+    for (const Impl::Slab* slab : impl_->slab_order) {
+      if (slab->retiring) stats.retiring_bytes += slab->bytes;
+    }
+  }
+  return stats;
 }
 
 const char* HostArena::backend_name() const { return impl_->backend->name(); }

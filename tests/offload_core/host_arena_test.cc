@@ -134,6 +134,13 @@ ArenaOptions SmallSlabOptions() {
   return options;
 }
 
+// Small slab sizes, every request placed at the low end of its range.
+ArenaOptions LowEndOptions() {
+  ArenaOptions options = SmallSlabOptions();
+  options.min_slab_bytes = 0;
+  return options;
+}
+
 ArenaOptions CapOptions(size_t cap) {
   ArenaOptions options;
   options.byte_cap = cap;
@@ -236,7 +243,8 @@ TEST(HostArena, FreeOfANullBlockIsANoOp) {
 }
 
 TEST(HostArena, FreedNeighboursCoalesceIntoOneRange) {
-  TestArena t(SmallSlabOptions(), /*real_memory=*/true);  // shared slabs of 64 KiB
+  TestArena t(LowEndOptions(), /*real_memory=*/true);
+  ASSERT_TRUE(t.arena->Reserve(64 * kKiB).ok());  // one 64 KiB slab
   HostBlock a = AllocateOrDie(*t.arena, 16 * kKiB);
   HostBlock b = AllocateOrDie(*t.arena, 16 * kKiB);
   HostBlock c = AllocateOrDie(*t.arena, 16 * kKiB);
@@ -260,67 +268,95 @@ TEST(HostArena, FreedNeighboursCoalesceIntoOneRange) {
   t.arena->Free(whole);
 }
 
-TEST(HostArena, BestFitPicksTheShortestRangeThatHolds) {
-  TestArena t(SmallSlabOptions(), /*real_memory=*/true);
-  // Layout in one 64 KiB slab: [a 8K][hole 16K][b 8K][hole 8K][c 8K][rest 16K]
-  HostBlock a = AllocateOrDie(*t.arena, 8 * kKiB);
-  HostBlock hole16 = AllocateOrDie(*t.arena, 16 * kKiB);
-  HostBlock b = AllocateOrDie(*t.arena, 8 * kKiB);
-  HostBlock hole8 = AllocateOrDie(*t.arena, 8 * kKiB);
-  HostBlock c = AllocateOrDie(*t.arena, 8 * kKiB);
-  t.arena->Free(hole16);
-  t.arena->Free(hole8);
-  HostBlock fits8 = AllocateOrDie(*t.arena, 8 * kKiB);
-  EXPECT_EQ(fits8.data, hole8.data) << "an 8 KiB request belongs in the 8 KiB hole";
-  HostBlock fits12 = AllocateOrDie(*t.arena, 12 * kKiB);
-  EXPECT_EQ(fits12.data, hole16.data);
+TEST(HostArena, LargeRequestsTakeTheLowestRangeThatHoldsThemSmallOnesTheHighest) {
+  TestArena t(SmallSlabOptions(), /*real_memory=*/true);  // "small": below 64 KiB
+  ASSERT_TRUE(t.arena->Reserve(256 * kKiB).ok());
+  const auto base = static_cast<char*>(AllocateOrDie(*t.arena, 64 * kKiB).data);
+  // Layout: [x 64K][hole 80K][y 64K][hole 48K] with the low-end large requests.
+  HostBlock hole80 = AllocateOrDie(*t.arena, 80 * kKiB);
+  HostBlock y = AllocateOrDie(*t.arena, 64 * kKiB);
+  ASSERT_EQ(hole80.data, base + 64 * kKiB);
+  t.arena->Free(hole80);
+  // First fit: the lowest range that holds the request, not the shortest.
+  HostBlock large = AllocateOrDie(*t.arena, 64 * kKiB);
+  EXPECT_EQ(large.data, base + 64 * kKiB);
+  // A small request: the high end of the highest range that holds it.
+  HostBlock small = AllocateOrDie(*t.arena, 8 * kKiB);
+  EXPECT_EQ(small.data, base + 256 * kKiB - 8 * kKiB);
+  // Too large for the 16 KiB left of the hole: the 40 KiB left at the top.
+  HostBlock small2 = AllocateOrDie(*t.arena, 24 * kKiB);
+  EXPECT_EQ(small2.data, base + 256 * kKiB - 32 * kKiB);
   EXPECT_EQ(t.arena->stats().backend_allocations, 1);
-  for (const HostBlock& block : {a, b, c, fits8, fits12}) t.arena->Free(block);
+  for (const HostBlock& block : {large, small, small2, y}) t.arena->Free(block);
+  t.arena->Free(HostBlock{base, 64 * kKiB});
 }
 
-TEST(HostArena, SmallRequestsShareSlabsAndLargeRequestsGetGranularSlabs) {
-  TestArena t(ArenaOptions{}, /*real_memory=*/false);  // 16 MiB shared slabs, 2 MiB granules
-  std::vector<HostBlock> small;
-  for (int i = 0; i < 16; ++i) small.push_back(AllocateOrDie(*t.arena, kMiB));
-  EXPECT_EQ(t.arena->stats().backend_allocations, 1);
-  EXPECT_EQ(t.arena->stats().reserved_bytes, 16 * kMiB);
-
-  HostBlock large = AllocateOrDie(*t.arena, 17 * kMiB + 1);
-  EXPECT_EQ(t.arena->stats().backend_allocations, 2);
-  EXPECT_EQ(t.arena->stats().reserved_bytes, 16 * kMiB + 18 * kMiB);
-  for (const HostBlock& block : small) t.arena->Free(block);
-  t.arena->Free(large);
-}
-
-TEST(HostArena, SmallRequestsDoNotLodgeInLargeSlabs) {
-  // A small block in a large slab's tail would keep that slab from serving the next step's
-  // large block; with room under the cap small requests get their own slab.
+TEST(HostArena, GrowthAimsAtTheBoundSoRequestsShareSlabs) {
+  // Every size shares slabs (no size classes). A growth takes the pool to
+  // 1.15 * high water + granularity, so later requests find room without the backend.
   TestArena t(ArenaOptions{}, /*real_memory=*/false);
-  HostBlock large = AllocateOrDie(*t.arena, 39 * kMiB);  // a 40 MiB slab, 1 MiB tail free
+  std::vector<HostBlock> blocks;
+  for (int i = 0; i < 16; ++i) {
+    blocks.push_back(AllocateOrDie(*t.arena, kMiB));
+    const ArenaStats stats = t.arena->stats();
+    EXPECT_LE(stats.reserved_bytes, stats.high_water_bytes * 23 / 20 + 2 * kMiB);
+  }
+  EXPECT_LE(t.arena->stats().backend_allocations, 6) << "the 16 blocks share slabs";
+  blocks.push_back(AllocateOrDie(*t.arena, 17 * kMiB + 1));
+  blocks.push_back(AllocateOrDie(*t.arena, 3 * kMiB));  // in the 17 MiB block's headroom
+  const ArenaStats stats = t.arena->stats();
+  EXPECT_LE(stats.reserved_bytes, stats.high_water_bytes * 23 / 20 + 2 * kMiB);
+  EXPECT_EQ(stats.overbound_growths, 0);
+  const int64_t allocations = stats.backend_allocations;
+  for (const HostBlock& block : blocks) t.arena->Free(block);
+  // The same requests again: nothing new.
+  blocks.clear();
+  for (int i = 0; i < 16; ++i) blocks.push_back(AllocateOrDie(*t.arena, kMiB));
+  blocks.push_back(AllocateOrDie(*t.arena, 17 * kMiB + 1));
+  blocks.push_back(AllocateOrDie(*t.arena, 3 * kMiB));
+  EXPECT_EQ(t.arena->stats().backend_allocations, allocations);
+  for (const HostBlock& block : blocks) t.arena->Free(block);
+}
+
+TEST(HostArena, SmallRequestsGatherAtTheHighEndAwayFromLargeBlocks) {
+  // A small block that outlives its step sits at the slab's end, so the range after a large
+  // block stays whole for the next large one.
+  TestArena t(ArenaOptions{}, /*real_memory=*/false);
+  HostBlock large = AllocateOrDie(*t.arena, 39 * kMiB);  // one slab with headroom
+  const size_t slab = t.arena->stats().reserved_bytes;
+  ASSERT_GE(slab, 46 * kMiB);
   HostBlock small = AllocateOrDie(*t.arena, kMiB);
   const auto large_base = reinterpret_cast<uintptr_t>(large.data);
-  const auto small_start = reinterpret_cast<uintptr_t>(small.data);
-  EXPECT_FALSE(small_start >= large_base && small_start < large_base + 40 * kMiB);
-  EXPECT_EQ(t.arena->stats().backend_allocations, 2);
-  t.arena->Free(large);
-  t.arena->Free(small);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(small.data), large_base + slab - kMiB);
+  HostBlock next_large = AllocateOrDie(*t.arena, slab - 40 * kMiB);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(next_large.data), large_base + 39 * kMiB);
+  EXPECT_EQ(t.arena->stats().backend_allocations, 1);
+  for (const HostBlock& block : {large, small, next_large}) t.arena->Free(block);
 }
 
-TEST(HostArena, GrowingRequestsReturnTooSmallFreeSlabsFirst) {
+TEST(HostArena, GrowingRequestsFoldFreeSlabsIntoOneWhenTheBoundNeedsIt) {
   constexpr int kLayers = 31;
   TestArena t(ArenaOptions{}, /*real_memory=*/false);
   std::vector<HostBlock> blocks;
   for (int i = 0; i < kLayers; ++i) blocks.push_back(AllocateOrDie(*t.arena, 32 * kMiB));
   for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) t.arena->Free(*it);
   blocks.clear();
-  ASSERT_EQ(t.arena->stats().reserved_bytes, kLayers * 32 * kMiB);
+  const ArenaStats first = t.arena->stats();
 
+  // Twice the size: no slab holds a block, and keeping them would break the bound, so they
+  // go back and one slab takes their bytes; the rest of the step grows in few slabs.
   for (int i = 0; i < kLayers; ++i) blocks.push_back(AllocateOrDie(*t.arena, 64 * kMiB));
   const ArenaStats stats = t.arena->stats();
-  EXPECT_EQ(stats.backend_frees, kLayers) << "the 32 MiB slabs went back";
-  EXPECT_EQ(stats.reserved_bytes, kLayers * 64 * kMiB);
-  EXPECT_EQ(stats.reserved_bytes, stats.peak_live_bytes);
+  EXPECT_EQ(stats.backend_frees, first.backend_allocations) << "every 32 MiB-era slab went back";
+  EXPECT_LT(stats.backend_allocations - first.backend_allocations, kLayers / 2);
+  EXPECT_LE(stats.reserved_bytes, stats.high_water_bytes * 23 / 20 + 2 * kMiB);
   for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) t.arena->Free(*it);
+  std::printf("31 x 32 MiB then 31 x 64 MiB: %lld + %lld backend allocations, %lld frees, "
+              "reserved %zu MiB for a peak of %zu MiB\n",
+              static_cast<long long>(first.backend_allocations),
+              static_cast<long long>(stats.backend_allocations - first.backend_allocations),
+              static_cast<long long>(stats.backend_frees), stats.reserved_bytes / kMiB,
+              stats.peak_live_bytes / kMiB);
 }
 
 TEST(HostArena, ShrinkingRequestsReuseExistingSlabs) {
@@ -351,7 +387,6 @@ enum class SideTensors {
 struct TraceResult {
   int64_t backend_allocations_after_full_step = -1;
   int64_t backend_allocations_at_end = 0;
-  int64_t large_slabs_allocated_after_full_step = 0;  // slabs above min_slab_bytes
   double worst_reserved_over_peak_any_op = 0;
   double worst_reserved_over_peak_at_step_peaks = 0;
 };
@@ -368,10 +403,13 @@ TraceResult RunVariableLengthTrace(uint64_t seed, int steps, int full_step, doub
   std::uniform_int_distribution<int64_t> seq_dist(kFullSeq / 2, kFullSeq);
   std::vector<std::vector<HostBlock>> carried;  // kLiveForTwoSteps tensors, oldest first
   TraceResult result;
-  size_t full_step_ledger_index = 0;
+  // Reserved over the header's bound, 1.15 * peak + granularity (no ResetPeak here), where
+  // it applies: while no slab waits to be replaced after a growth that passed it.
   auto ratio = [&] {
     const ArenaStats stats = t.arena->stats();
-    return static_cast<double>(stats.reserved_bytes) / stats.peak_live_bytes;
+    if (stats.retiring_bytes > 0) return 0.0;
+    return static_cast<double>(stats.reserved_bytes) /
+           (1.15 * static_cast<double>(stats.peak_live_bytes) + options.slab_granularity);
   };
   for (int step = 0; step < steps; ++step) {
     int64_t seq = seq_dist(rng);
@@ -401,12 +439,6 @@ TraceResult RunVariableLengthTrace(uint64_t seed, int steps, int full_step, doub
     }
     if (step == full_step) {
       result.backend_allocations_after_full_step = t.arena->stats().backend_allocations;
-      full_step_ledger_index = t.ledger->allocation_sizes.size();
-    }
-  }
-  for (size_t i = full_step_ledger_index; i < t.ledger->allocation_sizes.size(); ++i) {
-    if (t.ledger->allocation_sizes[i] > options.min_slab_bytes) {
-      ++result.large_slabs_allocated_after_full_step;
     }
   }
   for (const std::vector<HostBlock>& step_blocks : carried) {
@@ -424,7 +456,8 @@ void PrintTrace(const char* label, uint64_t seed, double first_fraction,
                 const TraceResult& result) {
   std::printf(
       "%s seed %llu first=%.2fS: backend allocations %lld through the full step, "
-      "%lld after; reserved/peak live worst %.4f (any op) %.4f (step peaks)\n",
+      "%lld after; reserved/(1.15 peak live + granularity) worst %.4f (any op) %.4f (step "
+      "peaks)\n",
       label, static_cast<unsigned long long>(seed), first_fraction,
       static_cast<long long>(result.backend_allocations_after_full_step),
       static_cast<long long>(result.backend_allocations_at_end -
@@ -440,7 +473,7 @@ TEST(HostArenaVariableLengthTrace, NoBackendAllocationsAfterTheFirstFullLengthSt
                                                         first_fraction, SideTensors::kNone);
       EXPECT_EQ(result.backend_allocations_at_end, result.backend_allocations_after_full_step)
           << "seed " << seed << " first step at " << first_fraction << " S";
-      EXPECT_LE(result.worst_reserved_over_peak_any_op, 1.15)
+      EXPECT_LE(result.worst_reserved_over_peak_any_op, 1.0 + 1e-9)
           << "seed " << seed << " first step at " << first_fraction << " S";
       PrintTrace("large only", seed, first_fraction, result);
     }
@@ -454,8 +487,7 @@ TEST(HostArenaVariableLengthTrace, SmallSideTensorsFreedWithTheStepDoNotBreakReu
                                /*first_fraction=*/0.5, SideTensors::kFreedWithTheStep);
     EXPECT_EQ(result.backend_allocations_at_end, result.backend_allocations_after_full_step)
         << "seed " << seed;
-    // Early single ops are dominated by one 16 MiB shared slab; step peaks are what count.
-    EXPECT_LE(result.worst_reserved_over_peak_at_step_peaks, 1.15) << "seed " << seed;
+    EXPECT_LE(result.worst_reserved_over_peak_any_op, 1.0 + 1e-9) << "seed " << seed;
     PrintTrace("side tensors", seed, 0.5, result);
   }
 }
@@ -467,8 +499,11 @@ TEST(HostArenaVariableLengthTrace, LongLivedSmallTensorsDoNotFragmentLargeSlabs)
     const TraceResult result =
         RunVariableLengthTrace(seed, /*steps=*/200, /*full_step=*/3,
                                /*first_fraction=*/0.5, SideTensors::kLiveForTwoSteps);
-    EXPECT_EQ(result.large_slabs_allocated_after_full_step, 0) << "seed " << seed;
-    EXPECT_LE(result.worst_reserved_over_peak_at_step_peaks, 1.15) << "seed " << seed;
+    // At most the one consolidation that settles a growth whose slabs small tensors kept
+    // busy past its step (host_arena.h).
+    EXPECT_LE(result.backend_allocations_at_end, result.backend_allocations_after_full_step + 1)
+        << "seed " << seed;
+    EXPECT_LE(result.worst_reserved_over_peak_at_step_peaks, 1.0 + 1e-9) << "seed " << seed;
     PrintTrace("long-lived side tensors", seed, 0.5, result);
   }
 }
@@ -655,59 +690,64 @@ TEST(HostArenaCap, FreeSlabsAreReleasedWhenThatMakesRoom) {
 
 TEST(HostArenaCap, FreeSlabsAreKeptWhenReleasingCannotMakeRoom) {
   TestArena t(CapOptions(64 * kMiB), /*real_memory=*/false);
-  HostBlock small = AllocateOrDie(*t.arena, kMiB);
+  HostBlock small = AllocateOrDie(*t.arena, kMiB);  // a slab of 1.15 MiB + granularity
+  const size_t small_slab = t.arena->stats().reserved_bytes;
   t.arena->Free(small);
-  HostBlock a = AllocateOrDie(*t.arena, 40 * kMiB);  // reserved 56 MiB, 40 of them live
+  // Near the cap the growth is a whole number of requests: exactly 40 MiB.
+  HostBlock a = AllocateOrDie(*t.arena, 40 * kMiB);
+  ASSERT_EQ(t.arena->stats().reserved_bytes, small_slab + 40 * kMiB);
   absl::StatusOr<HostBlock> refused = t.arena->Allocate(30 * kMiB);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
   const ArenaStats stats = t.arena->stats();
   EXPECT_EQ(stats.backend_frees, 0);
-  EXPECT_EQ(stats.reserved_bytes, 56 * kMiB);
+  EXPECT_EQ(stats.reserved_bytes, small_slab + 40 * kMiB);
   EXPECT_EQ(stats.cap_rejections, 1);
-  // The kept shared slab still serves small requests without the backend.
+  // The kept small slab still serves small requests without the backend.
   HostBlock again = AllocateOrDie(*t.arena, kMiB);
   EXPECT_EQ(t.arena->stats().backend_allocations, 2);
   t.arena->Free(again);
   t.arena->Free(a);
 }
 
-TEST(HostArenaCap, SmallRequestUsesRoomInALargeSlabWhenTheCapBlocksANewSlab) {
+TEST(HostArenaCap, NearTheCapGrowthComesInWholeRequests) {
   TestArena t(CapOptions(48 * kMiB), /*real_memory=*/false);
-  HostBlock large = AllocateOrDie(*t.arena, 39 * kMiB);  // a 40 MiB slab with a 1 MiB tail
-  HostBlock in_tail = AllocateOrDie(*t.arena, kMiB);     // no room for a 16 MiB shared slab
+  HostBlock large = AllocateOrDie(*t.arena, 39 * kMiB);  // 40 MiB: a 1 MiB tail
+  EXPECT_EQ(t.arena->stats().reserved_bytes, 40 * kMiB);
+  HostBlock in_tail = AllocateOrDie(*t.arena, kMiB);
   EXPECT_EQ(reinterpret_cast<uintptr_t>(in_tail.data),
             reinterpret_cast<uintptr_t>(large.data) + 39 * kMiB);
   EXPECT_EQ(t.arena->stats().backend_allocations, 1);
-  // With the tail taken, the next small request gets an exact slab in the 8 MiB left.
-  HostBlock exact = AllocateOrDie(*t.arena, kMiB);
-  ASSERT_TRUE(exact);
+  // The next small request takes what the cap leaves, in whole granules.
+  HostBlock next = AllocateOrDie(*t.arena, kMiB);
+  ASSERT_TRUE(next);
   EXPECT_EQ(t.arena->stats().backend_allocations, 2);
-  EXPECT_EQ(t.arena->stats().reserved_bytes, 41 * kMiB);
-  for (const HostBlock& block : {large, in_tail, exact}) t.arena->Free(block);
+  EXPECT_EQ(t.arena->stats().reserved_bytes, 48 * kMiB);
+  for (const HostBlock& block : {large, in_tail, next}) t.arena->Free(block);
 }
 
 TEST(HostArenaCap, LoweringTheCapReleasesFreeSlabsAndOnlyBlocksGrowth) {
   TestArena t(ArenaOptions{}, /*real_memory=*/false);
   HostBlock a = AllocateOrDie(*t.arena, 32 * kMiB);
+  const size_t slab_a = t.arena->stats().reserved_bytes;
   HostBlock b = AllocateOrDie(*t.arena, 32 * kMiB);
   HostBlock c = AllocateOrDie(*t.arena, 32 * kMiB);
   t.arena->Free(b);
   t.arena->Free(c);
-  ASSERT_EQ(t.arena->stats().reserved_bytes, 96 * kMiB);
+  ASSERT_EQ(t.arena->stats().backend_allocations, 3);
 
   t.arena->SetByteCap(40 * kMiB);
   ArenaStats stats = t.arena->stats();
   EXPECT_EQ(stats.byte_cap, 40 * kMiB);
-  EXPECT_EQ(stats.reserved_bytes, 32 * kMiB);
+  EXPECT_EQ(stats.reserved_bytes, slab_a);
   EXPECT_EQ(stats.backend_frees, 2);
 
   // Below live bytes: accepted, live blocks stay, growth is refused.
   t.arena->SetByteCap(16 * kMiB);
   stats = t.arena->stats();
   EXPECT_EQ(stats.byte_cap, 16 * kMiB);
-  EXPECT_EQ(stats.reserved_bytes, 32 * kMiB);
-  absl::StatusOr<HostBlock> refused = t.arena->Allocate(1);
+  EXPECT_EQ(stats.reserved_bytes, slab_a);
+  absl::StatusOr<HostBlock> refused = t.arena->Allocate(slab_a);
   ASSERT_FALSE(refused.ok());
   EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
 
@@ -744,18 +784,19 @@ TEST(HostArenaCap, RaisingTheCapAllowsGrowthAgain) {
 TEST(HostArenaStats, CountAllocationsLiveBytesPeakAndBackendCalls) {
   TestArena t(ArenaOptions{}, /*real_memory=*/false);
   t.ledger->allocate_delay = std::chrono::milliseconds(2);
-  HostBlock a = AllocateOrDie(*t.arena, 20 * kMiB);
-  HostBlock b = AllocateOrDie(*t.arena, kMiB);
+  HostBlock a = AllocateOrDie(*t.arena, 20 * kMiB);  // a slab of 1.15 * 20 + 2 = 25 MiB
+  HostBlock b = AllocateOrDie(*t.arena, kMiB);       // both in its headroom
   HostBlock c = AllocateOrDie(*t.arena, kMiB + 1);
   ArenaStats stats = t.arena->stats();
   EXPECT_EQ(stats.allocations, 3);
   EXPECT_EQ(stats.live_blocks, 3);
   EXPECT_EQ(stats.live_bytes, 20 * kMiB + kMiB + kMiB + 256);
   EXPECT_EQ(stats.peak_live_bytes, stats.live_bytes);
-  EXPECT_EQ(stats.reserved_bytes, 20 * kMiB + 16 * kMiB);
-  EXPECT_EQ(stats.backend_allocations, 2);
+  EXPECT_EQ(stats.high_water_bytes, stats.live_bytes);
+  EXPECT_EQ(stats.reserved_bytes, 25 * kMiB);
+  EXPECT_EQ(stats.backend_allocations, 1);
   EXPECT_EQ(stats.backend_frees, 0);
-  EXPECT_GE(stats.backend_alloc_seconds, 0.004);
+  EXPECT_GE(stats.backend_alloc_seconds, 0.002);
   EXPECT_LT(stats.backend_alloc_seconds, 5.0);
   EXPECT_EQ(stats.byte_cap, SIZE_MAX);
   EXPECT_STREQ(t.arena->backend_name(), "ledger");
@@ -766,8 +807,10 @@ TEST(HostArenaStats, CountAllocationsLiveBytesPeakAndBackendCalls) {
   EXPECT_EQ(stats.peak_live_bytes, 22 * kMiB + 256);
   EXPECT_EQ(stats.live_blocks, 2);
 
+  // ResetPeak lowers the peak, not the high water the bound uses.
   t.arena->ResetPeak();
   EXPECT_EQ(t.arena->stats().peak_live_bytes, 2 * kMiB + 256);
+  EXPECT_EQ(t.arena->stats().high_water_bytes, 22 * kMiB + 256);
   t.arena->Free(b);
   t.arena->Free(c);
   EXPECT_EQ(t.arena->stats().peak_live_bytes, 2 * kMiB + 256);
@@ -775,17 +818,19 @@ TEST(HostArenaStats, CountAllocationsLiveBytesPeakAndBackendCalls) {
   t.arena->ReleaseFreeSlabs();
   stats = t.arena->stats();
   EXPECT_EQ(stats.reserved_bytes, 0u);
-  EXPECT_EQ(stats.backend_frees, 2);
+  EXPECT_EQ(stats.backend_frees, 1);
   EXPECT_EQ(stats.allocations, 3);
 }
 
 TEST(HostArenaStats, ReleaseFreeSlabsKeepsSlabsWithLiveBlocks) {
   TestArena t(ArenaOptions{}, /*real_memory=*/false);
   HostBlock kept = AllocateOrDie(*t.arena, kMiB);
-  HostBlock freed = AllocateOrDie(*t.arena, 20 * kMiB);
+  const size_t kept_slab = t.arena->stats().reserved_bytes;
+  HostBlock freed = AllocateOrDie(*t.arena, 20 * kMiB);  // too large for the first slab
   t.arena->Free(freed);
+  ASSERT_EQ(t.arena->stats().backend_allocations, 2);
   t.arena->ReleaseFreeSlabs();
-  EXPECT_EQ(t.arena->stats().reserved_bytes, 16 * kMiB);
+  EXPECT_EQ(t.arena->stats().reserved_bytes, kept_slab);
   EXPECT_EQ(t.arena->stats().backend_frees, 1);
   t.arena->Free(kept);
 }
@@ -924,7 +969,7 @@ TEST(HostArenaLifetime, DestructorReturnsEverySlab) {
   {
     HostArena arena(std::make_unique<LedgerBackend>(ledger, /*real_memory=*/false));
     HostBlock a = AllocateOrDie(arena, 20 * kMiB);
-    HostBlock b = AllocateOrDie(arena, kMiB);
+    HostBlock b = AllocateOrDie(arena, 10 * kMiB);  // beyond the first slab's headroom
     arena.Free(a);
     arena.Free(b);
     ASSERT_EQ(ledger->outstanding.size(), 2u);
