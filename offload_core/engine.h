@@ -170,6 +170,11 @@ class OffloadEngine {
   // true when a copy still reads the source: keep it valid until ReleaseSource(entry).
   bool Discard(EntryId entry);
 
+  // Up-front hint for the host pool (e.g. from the longest sequence a run will see):
+  // HostArena::Reserve(bytes) on the engine's arena; see its contract (one backend
+  // allocation at most, within the cap; the status says why not).
+  absl::Status ReserveHost(size_t bytes);
+
   // Drains every copy and frees everything (after an exception, at shutdown).
   absl::Status Reset();
   // Waits for in-flight copies and settles deferred work (exposed-wait figures, frees).
