@@ -135,11 +135,11 @@ TEST_P(OffloaderConcurrency, PackOnSomeThreadsUnpackAndDestroyOnOthers) {
         for (const at::Tensor& t : tensors) {
           std::lock_guard<std::mutex> lock(group_mu);
           offloader->BeginGroup({t});
-          packs.push_back(offloader->Pack(t));
+          packs.push_back(offloader->Pack(t).packed);
           offloader->EndGroup();
         }
       } else {
-        for (const at::Tensor& t : tensors) packs.push_back(offloader->Pack(t));
+        for (const at::Tensor& t : tensors) packs.push_back(offloader->Pack(t).packed);
       }
       for (size_t k = 0; k < tensors.size(); ++k) {
         if (!packs[k]) continue;  // kept as is (e.g. left out of a group)

@@ -129,8 +129,11 @@ def test_parameters_expanded_and_small_tensors_are_never_offloaded():
         pass
 
     subclass = torch.randn(64, 64).as_subclass(Subclass)
-    for t in (param, expanded, small, quantized, sparse, frozen, subclass):
-        assert offloader.pack(t) is t
+    for t in (param, small, quantized, sparse, frozen, subclass):
+        assert offloader.unpack(offloader.pack(t)) is t  # the leaf itself, not a copy
+    # A view comes back as an alias of the same memory (no grad_fn or base is held).
+    back = offloader.unpack(offloader.pack(expanded))
+    assert back.data_ptr() == expanded.data_ptr() and back.stride() == expanded.stride()
     assert "Parameter" in offloader.ineligible_reason(param)
     leaf = torch.randn(64, 64, requires_grad=True)
     assert "leaf that requires grad" in offloader.ineligible_reason(leaf)

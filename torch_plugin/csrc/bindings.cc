@@ -3,6 +3,9 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include "offload_core/device.h"
 #include "offload_core/fault_injection.h"
@@ -12,6 +15,59 @@ namespace py = pybind11;
 
 namespace ckpt_offload::torch_plugin {
 namespace {
+
+// What pack returns for a Python tensor subclass (nn.Parameter, DTensor, ...): the object
+// itself when it is a leaf, else its detach() (no grad_fn: see tensor_offloader.h), and
+// autograd's version check.
+struct KeptObject {
+  py::object held;
+  VersionCheck version;
+};
+
+// Collects the C++ warnings (TORCH_WARN) raised during one call and issues them through
+// Python's `warnings` afterwards, so filters, pytest.warns and logging see them; without
+// it they would go to stderr only. The handler is the calling thread's (GIL held).
+class PythonWarnings : public c10::WarningHandler {
+ public:
+  void process(const c10::Warning& warning) override { warnings_.push_back(warning); }
+
+  // Throws error_already_set when a filter turned a warning into an exception.
+  void Issue() {
+    for (const c10::Warning& warning : warnings_) {
+      PyObject* category = std::holds_alternative<c10::Warning::DeprecationWarning>(
+                               warning.type())
+                               ? PyExc_DeprecationWarning
+                               : PyExc_UserWarning;
+      if (PyErr_WarnEx(category, warning.msg().c_str(), 1) != 0) {
+        warnings_.clear();
+        throw py::error_already_set();
+      }
+    }
+    warnings_.clear();
+  }
+
+ private:
+  std::vector<c10::Warning> warnings_;
+};
+
+template <typename Fn>
+auto WithPythonWarnings(Fn&& fn) {
+  PythonWarnings warnings;
+  if constexpr (std::is_void_v<decltype(fn())>) {
+    {
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      fn();
+    }
+    warnings.Issue();
+  } else {
+    auto result = [&] {
+      c10::WarningUtils::WarningHandlerGuard guard(&warnings);
+      return fn();
+    }();
+    warnings.Issue();
+    return result;
+  }
+}
 
 Backend ParseBackend(const std::string& name) {
   if (name == "cuda") return Backend::kCuda;
@@ -79,6 +135,8 @@ PYBIND11_MODULE(_C, m) {
   py::class_<PackedTensor, std::shared_ptr<PackedTensor>>(m, "PackedTensor")
       .def_property_readonly("shape", [](const PackedTensor& p) { return p.sizes; })
       .def_property_readonly("stride", [](const PackedTensor& p) { return p.strides; });
+  py::class_<KeptTensor, std::shared_ptr<KeptTensor>>(m, "KeptTensor");
+  py::class_<KeptObject>(m, "KeptObject");
 
   py::class_<TensorOffloader, std::shared_ptr<TensorOffloader>>(m, "Offloader")
       .def(py::init([](int keep_last, int prefetch_depth, int64_t min_offload_bytes,
@@ -101,31 +159,61 @@ PYBIND11_MODULE(_C, m) {
            py::arg("keep_last"), py::arg("prefetch_depth"), py::arg("min_offload_bytes"),
            py::arg("host_memory_limit"), py::arg("backend"), py::arg("scope"),
            py::arg("max_inflight_d2h_groups") = 2, py::arg("offload_head") = true)
-      .def("begin_group", &TensorOffloader::BeginGroup, py::arg("inputs"))
-      .def("end_group", &TensorOffloader::EndGroup)
+      .def(
+          "begin_group",
+          [](TensorOffloader& self, const std::vector<at::Tensor>& inputs) {
+            WithPythonWarnings([&] { self.BeginGroup(inputs); });
+          },
+          py::arg("inputs"))
+      .def("end_group",
+           [](TensorOffloader& self) { WithPythonWarnings([&] { self.EndGroup(); }); })
       .def(
           "pack",
           [](TensorOffloader& self, py::object obj) -> py::object {
-            // Tensor subclasses (nn.Parameter, including DeepSpeed ZeRO-3 partitioned ones,
-            // FSDP2's DTensor, ...) are someone else's memory to manage: leave them alone.
-            // They can still trigger the restore of head tensors saved before them.
-            if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
-              self.PackForeign(THPVariable_Unpack(obj.ptr()));
-              return obj;
-            }
-            auto packed = self.Pack(THPVariable_Unpack(obj.ptr()));
-            if (!packed) return obj;
-            return py::cast(std::move(packed));
+            return WithPythonWarnings([&]() -> py::object {
+              // Tensor subclasses (nn.Parameter, including DeepSpeed ZeRO-3 partitioned
+              // ones, FSDP2's DTensor, ...) are someone else's memory to manage: left
+              // alone. They can still trigger the restore of head tensors saved before them.
+              if (Py_TYPE(obj.ptr()) != reinterpret_cast<PyTypeObject*>(THPVariableClass)) {
+                const at::Tensor& tensor = THPVariable_Unpack(obj.ptr());
+                py::object held = obj;
+                if (!tensor.is_leaf() || tensor.is_view()) held = obj.attr("detach")();
+                if (!THPVariable_Check(held.ptr())) {
+                  throw py::type_error("ckpt_offload: detach() of a saved " +
+                                       std::string(Py_TYPE(obj.ptr())->tp_name) +
+                                       " returned no tensor");
+                }
+                self.PackForeign(THPVariable_Unpack(held.ptr()));
+                return py::cast(KeptObject{std::move(held), VersionCheck(tensor)});
+              }
+              SavedTensor saved = self.Pack(THPVariable_Unpack(obj.ptr()));
+              if (saved.packed) return py::cast(std::move(saved.packed));
+              return py::cast(std::move(saved.kept));
+            });
           },
           py::arg("tensor"))
       .def(
           "unpack",
           [](TensorOffloader& self, py::object obj) -> py::object {
-            if (!py::isinstance<PackedTensor>(obj)) {
-              if (THPVariable_Check(obj.ptr())) self.UnpackKept(THPVariable_Unpack(obj.ptr()));
-              return obj;
-            }
-            return py::cast(self.Unpack(obj.cast<const PackedTensor&>()));
+            return WithPythonWarnings([&]() -> py::object {
+              if (py::isinstance<PackedTensor>(obj)) {
+                return py::cast(self.Unpack(obj.cast<const PackedTensor&>()));
+              }
+              if (py::isinstance<KeptTensor>(obj)) {
+                return py::cast(self.UnpackKept(obj.cast<const KeptTensor&>()));
+              }
+              if (py::isinstance<KeptObject>(obj)) {
+                const KeptObject& kept = obj.cast<const KeptObject&>();
+                const at::Tensor& tensor = THPVariable_Unpack(kept.held.ptr());
+                kept.version.Verify(tensor.sizes(), tensor.scalar_type(), tensor.device());
+                self.NoteUnpackForeign(tensor);
+                return kept.held;
+              }
+              if (THPVariable_Check(obj.ptr())) return obj;  // not made by pack
+              throw py::type_error("ckpt_offload: unpack got a " +
+                                   std::string(Py_TYPE(obj.ptr())->tp_name) +
+                                   ", which pack did not make");
+            });
           },
           py::arg("packed"))
       .def(

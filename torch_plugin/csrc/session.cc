@@ -8,10 +8,9 @@ namespace {
 using ::torch::autograd::AutogradContext;
 using ::torch::autograd::variable_list;
 
-// Keeps the packed input (or the input itself when it was not offloaded) for backward.
+// Keeps the packed input (or the input, kept, when it was not offloaded) for backward.
 struct SavedInput : public ::torch::CustomClassHolder {
-  std::shared_ptr<torch_plugin::PackedTensor> packed;
-  at::Tensor kept;
+  torch_plugin::SavedTensor input;
   LayerFn fn;
   Session* session = nullptr;
 };
@@ -25,9 +24,8 @@ class CheckpointFunction : public ::torch::autograd::Function<CheckpointFunction
     auto saved = c10::make_intrusive<SavedInput>();
     torch_plugin::TensorOffloader& offloader = session->offloader();
     offloader.BeginGroup({input});
-    saved->packed = offloader.Pack(input);
+    saved->input = offloader.Pack(input);
     offloader.EndGroup();
-    if (!saved->packed) saved->kept = input;
     saved->fn = fn;
     saved->session = session;
     at::Tensor output;
@@ -41,8 +39,10 @@ class CheckpointFunction : public ::torch::autograd::Function<CheckpointFunction
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     auto saved = c10::static_intrusive_pointer_cast<SavedInput>(ctx->saved_data["input"].toCapsule());
-    at::Tensor restored = saved->packed ? saved->session->offloader().Unpack(*saved->packed)
-                                        : saved->kept;
+    // Both unpacks raise autograd's in-place error if `input` was modified since forward.
+    torch_plugin::TensorOffloader& offloader = saved->session->offloader();
+    at::Tensor restored = saved->input.packed ? offloader.Unpack(*saved->input.packed)
+                                              : offloader.UnpackKept(*saved->input.kept);
     at::Tensor input = restored.detach().requires_grad_(true);
     at::Tensor output;
     {

@@ -1,9 +1,12 @@
 #include "torch_plugin/csrc/tensor_offloader.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/anomaly_mode.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
+#include <sstream>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -34,6 +37,7 @@ std::shared_ptr<PackedTensor> MakePacked(const at::Tensor& tensor, int64_t begin
   packed->storage_offset_bytes = begin;
   packed->dtype = tensor.scalar_type();
   packed->storage = std::move(holder);
+  packed->version = VersionCheck(tensor);
   return packed;
 }
 
@@ -41,7 +45,52 @@ std::shared_ptr<PackedTensor> MakePacked(const at::Tensor& tensor, int64_t begin
   TORCH_CHECK(false, "ckpt_offload: ", what, " failed: ", status.ToString());
 }
 
+// torch's name for a tensor type, as autograd's messages print it ("torch.cuda.HalfTensor").
+std::string TypeName(at::ScalarType dtype, const at::Device& device) {
+  return absl::StrCat("torch.", device.is_cuda() ? "cuda." : "", c10::toString(dtype),
+                      "Tensor");
+}
+
 }  // namespace
+
+// ---------------------------------------------------------------------------------------
+// VersionCheck
+
+VersionCheck::VersionCheck(const at::Tensor& tensor) {
+  const c10::VariableVersion& counter = tensor.unsafeGetTensorImpl()->version_counter();
+  if (!counter.enabled()) return;  // an inference tensor: autograd checks nothing either
+  counter_ = counter;
+  saved_version_ = counter_.current_version();
+  grad_fn_ = tensor.grad_fn();
+  output_nr_ = tensor.output_nr();
+}
+
+void VersionCheck::Verify(c10::IntArrayRef sizes, at::ScalarType dtype,
+                          const at::Device& device) const {
+  if (!counter_.enabled()) return;
+  const uint32_t current = counter_.current_version();
+  if (current == saved_version_) return;
+  // Autograd's own wording (SavedVariable::unpack), which hooks would otherwise silence.
+  std::ostringstream message;
+  message << "one of the variables needed for gradient computation has been modified by an "
+             "inplace operation: ["
+          << TypeName(dtype, device) << " " << sizes << "]";
+  if (std::shared_ptr<torch::autograd::Node> grad_fn = grad_fn_.lock()) {
+    message << ", which is output " << output_nr_ << " of " << grad_fn->name() << ",";
+  }
+  message << " is at version " << current << "; expected version " << saved_version_
+          << " instead.";
+  if (torch::autograd::AnomalyMode::is_enabled()) {
+    message << " Hint: the backtrace further above shows the operation that failed to "
+               "compute its gradient. The variable in question was changed in there or "
+               "anywhere later. Good luck!";
+  } else {
+    message << " Hint: enable anomaly detection to find the operation that failed to "
+               "compute its gradient, with torch.autograd.set_detect_anomaly(True, "
+               "check_nan=False).";
+  }
+  TORCH_CHECK(false, message.str());
+}
 
 // ---------------------------------------------------------------------------------------
 // OffloadedStorage
@@ -57,7 +106,7 @@ OffloadedStorage::OffloadedStorage(std::shared_ptr<TensorOffloader> owner, Entry
       span_end_bytes_(span_end_bytes),
       device_(device) {}
 
-OffloadedStorage::~OffloadedStorage() { owner_->Discard(entry_, key_, this); }
+OffloadedStorage::~OffloadedStorage() { owner_->Discard(entry_, key_); }
 
 c10::Storage OffloadedStorage::Restore(int64_t* span_begin_bytes) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -67,9 +116,9 @@ c10::Storage OffloadedStorage::Restore(int64_t* span_begin_bytes) {
     return c10::Storage(std::move(restored));
   }
   if (entry_ == 0) {
-    // A head candidate that stayed (nothing large followed it): the tensor itself.
+    // A head candidate that stayed (nothing large followed it): its own storage.
     *span_begin_bytes = 0;
-    return held_.storage();
+    return held_;
   }
   bool resident = false;
   c10::Storage storage = owner_->AcquireStorage(entry_, device_, &resident);
@@ -233,40 +282,51 @@ void TensorOffloader::EndGroup() {
   if (engine_) WarnOnFirstFallback(engine_.get());
 }
 
-std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
+SavedTensor TensorOffloader::Skip(const at::Tensor& tensor) {
+  skipped_.fetch_add(1, std::memory_order_relaxed);
+  return Keep(tensor);
+}
+
+SavedTensor TensorOffloader::Keep(const at::Tensor& tensor) {
+  auto kept = std::make_shared<KeptTensor>();
+  // A leaf that is no view holds nothing of a graph; anything else could be an output of
+  // the very node saving it, and would hold that node through its grad_fn (a cycle that
+  // outlives a dropped graph). detach() shares storage and version counter, nothing else.
+  kept->data = tensor.is_leaf() && !tensor.is_view() ? tensor : tensor.detach();
+  kept->version = VersionCheck(tensor);
+  return {nullptr, std::move(kept)};
+}
+
+SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
   packed_.fetch_add(1, std::memory_order_relaxed);
-  auto skip = [this]() -> std::shared_ptr<PackedTensor> {
-    skipped_.fetch_add(1, std::memory_order_relaxed);
-    return nullptr;
-  };
   // Tensors saved while a backward runs (a reentrant checkpoint's recompute) stay put:
   // nothing would overlap their copies.
-  if (torch::autograd::get_current_graph_task_id() != -1) return skip();
+  if (torch::autograd::get_current_graph_task_id() != -1) return Skip(tensor);
   if (config_.scope == Scope::kCheckpointInputs) {
     bool marked = false;
     {
       std::lock_guard<std::mutex> lock(tensors_mu_);
       marked = marked_.count(tensor.unsafeGetTensorImpl()) > 0;
     }
-    if (!marked) return PackUngrouped(tensor, /*may_offload=*/true);
+    if (!marked) return PackUngrouped(tensor);
   }
-  if (!IneligibleReason(tensor).empty()) return skip();
+  if (!IneligibleReason(tensor).empty()) return Skip(tensor);
 
   const c10::Storage& storage = tensor.storage();
   const c10::StorageImpl* key = storage.unsafeGetStorageImpl();
   const auto [begin, end] = StorageSpan(tensor);
   // Another view of a storage already offloaded: share its copy.
-  if (auto shared = SharedView(tensor, begin, end)) return shared;
+  if (auto shared = SharedView(tensor, begin, end)) return {std::move(shared), nullptr};
 
   EntryId entry = 0;
   {
     std::lock_guard<std::mutex> lock(engine_mu_);
     OffloadEngine* engine = EngineFor(tensor.device());
-    if (engine == nullptr) return skip();  // a second device: left alone
+    if (engine == nullptr) return Skip(tensor);  // a second device: left alone
     const StreamHandle compute = ComputeStream(tensor.device());
     GroupId group = group_;
     if (!group_open_) {
-      if (config_.scope == Scope::kCheckpointInputs) return skip();
+      if (config_.scope == Scope::kCheckpointInputs) return Skip(tensor);
       // Scope "all" outside checkpoint groups: each saved tensor is its own group.
       auto made = engine->BeginGroup(compute);
       if (!made.ok()) ThrowStatus("starting a group", made.status());
@@ -280,7 +340,7 @@ std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
     if (!group_open_ || !offer->will_offload) WarnOnFirstFallback(engine);
     if (!offer->will_offload) {
       engine->Discard(offer->entry);
-      return skip();
+      return Skip(tensor);
     }
     entry = offer->entry;
     if (group_open_) largest_group_entry_bytes_ = std::max(largest_group_entry_bytes_, end - begin);
@@ -289,10 +349,10 @@ std::shared_ptr<PackedTensor> TensorOffloader::Pack(const at::Tensor& tensor) {
                                                    end, tensor.device());
   {
     std::lock_guard<std::mutex> lock(tensors_mu_);
-    if (released_early_.erase(entry) == 0) sources_.emplace(entry, tensor);
+    if (released_early_.erase(entry) == 0) sources_.emplace(entry, storage);
     by_storage_[key] = holder;
   }
-  return MakePacked(tensor, begin, std::move(holder));
+  return {MakePacked(tensor, begin, std::move(holder)), nullptr};
 }
 
 c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& device,
@@ -304,7 +364,7 @@ c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& de
   if (acquired->resident) {
     auto it = sources_.find(entry);
     TORCH_CHECK(it != sources_.end(), "ckpt_offload: resident tensor ", entry, " was lost");
-    return it->second.storage();
+    return it->second;
   }
   auto it = restores_.find(entry);
   TORCH_CHECK(it != restores_.end(), "ckpt_offload: restore buffer ", entry, " was lost");
@@ -326,40 +386,54 @@ std::shared_ptr<PackedTensor> TensorOffloader::SharedView(const at::Tensor& tens
   return MakePacked(tensor, begin, std::move(holder));
 }
 
-void TensorOffloader::PackForeign(const at::Tensor& tensor) {
+void TensorOffloader::PackForeign(const at::Tensor& held) {
   packed_.fetch_add(1, std::memory_order_relaxed);
+  skipped_.fetch_add(1, std::memory_order_relaxed);
   if (config_.scope != Scope::kCheckpointInputs ||
-      torch::autograd::get_current_graph_task_id() != -1) {
-    skipped_.fetch_add(1, std::memory_order_relaxed);
+      torch::autograd::get_current_graph_task_id() != -1 || !HeadRelevant(held)) {
     return;
   }
-  PackUngrouped(tensor, /*may_offload=*/false);
+  std::vector<GroupId> triggered;
+  OfferHeadAndTrigger(held, /*may_offload=*/false, &triggered);
+  RegisterTrigger(held.unsafeGetTensorImpl(), std::move(triggered));
 }
 
-std::shared_ptr<PackedTensor> TensorOffloader::PackUngrouped(const at::Tensor& tensor,
-                                                             bool may_offload) {
-  auto skip = [this]() -> std::shared_ptr<PackedTensor> {
-    skipped_.fetch_add(1, std::memory_order_relaxed);
-    return nullptr;
-  };
-  // Neither a candidate nor a trigger: no head offload, or small, or not ours.
+void TensorOffloader::NoteUnpackForeign(const at::Tensor& held) {
+  NoteUnpack(held.unsafeGetTensorImpl());
+}
+
+bool TensorOffloader::HeadRelevant(const at::Tensor& tensor) const {
   const int64_t min_bytes = std::max<int64_t>(config_.min_offload_bytes, 1);
-  if (!config_.offload_head || !tensor.defined() || tensor.layout() != at::kStrided ||
-      !tensor.has_storage() || !MatchesBackend(tensor) ||
-      static_cast<int64_t>(tensor.nbytes()) < min_bytes) {
-    return skip();
-  }
+  return config_.offload_head && tensor.defined() && tensor.layout() == at::kStrided &&
+         tensor.has_storage() && MatchesBackend(tensor) &&
+         static_cast<int64_t>(tensor.nbytes()) >= min_bytes;
+}
+
+SavedTensor TensorOffloader::PackUngrouped(const at::Tensor& tensor) {
+  // Neither a candidate nor a trigger: no head offload, or small, or not ours.
+  if (!HeadRelevant(tensor)) return Skip(tensor);
   const auto [begin, end] = StorageSpan(tensor);
   // A view of a candidate's storage is part of it, not its trigger.
-  if (may_offload) {
-    if (auto shared = SharedView(tensor, begin, end)) return shared;
-  }
-
-  std::shared_ptr<OffloadedStorage> candidate;
+  if (auto shared = SharedView(tensor, begin, end)) return {std::move(shared), nullptr};
   std::vector<GroupId> triggered;
+  std::shared_ptr<OffloadedStorage> candidate =
+      OfferHeadAndTrigger(tensor, /*may_offload=*/true, &triggered);
+  if (candidate) {
+    RegisterTrigger(candidate.get(), std::move(triggered));
+    return {MakePacked(tensor, begin, std::move(candidate)), nullptr};
+  }
+  SavedTensor kept = Skip(tensor);
+  // The kept alias lives as long as the saved handle, so its address is a stable key.
+  RegisterTrigger(kept.kept->data.unsafeGetTensorImpl(), std::move(triggered));
+  return kept;
+}
+
+std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
+    const at::Tensor& tensor, bool may_offload, std::vector<GroupId>* triggered) {
+  std::shared_ptr<OffloadedStorage> candidate;
   {
     std::lock_guard<std::mutex> lock(engine_mu_);
-    if (!head_window_) return skip();
+    if (!head_window_) return nullptr;
     // This tensor triggers the candidates before it: copy them out now; backward restores
     // them when it reaches this tensor, right before their own backward.
     std::vector<std::shared_ptr<OffloadedStorage>> waiting;
@@ -369,15 +443,15 @@ std::shared_ptr<PackedTensor> TensorOffloader::PackUngrouped(const at::Tensor& t
     head_pending_.clear();
     for (const auto& pending : waiting) {
       const GroupId gid = OfferHeadLocked(*pending);
-      if (gid != 0) triggered.push_back(gid);
+      if (gid != 0) triggered->push_back(gid);
     }
-    if (!triggered.empty()) {
+    if (!triggered->empty()) {
       // The trigger's backward will restore the head and, by prefetch, the groups below it:
       // the last keep_last groups need not stay on the device through the head's backward.
       absl::Status started = engine_->OffloadPendingGroups(ComputeStream(engine_device_));
       if (!started.ok()) ThrowStatus("starting a checkpoint group's copies", started);
     }
-    const int64_t bytes = end - begin;
+    const auto [begin, end] = StorageSpan(tensor);
     // Produced by autograd, and not a view of a leaf: a trainable weight's transpose
     // (saved by a full fine-tune's LM head) lives on in its parameter, so copying it out
     // would free nothing.
@@ -385,40 +459,40 @@ std::shared_ptr<PackedTensor> TensorOffloader::PackUngrouped(const at::Tensor& t
         !tensor.is_leaf() && !(tensor.is_view() && tensor._base().is_leaf());
     if (may_offload && activation &&
         head_entries_ + static_cast<int>(head_pending_.size()) < kMaxHeadEntries &&
-        bytes <= 2 * largest_group_entry_bytes_ && IneligibleReason(tensor).empty()) {
+        end - begin <= 2 * largest_group_entry_bytes_ && IneligibleReason(tensor).empty()) {
       candidate = std::make_shared<OffloadedStorage>(shared_from_this(), /*entry=*/0,
                                                      tensor.storage(), begin, end,
                                                      tensor.device());
-      candidate->held_ = tensor;
+      candidate->held_ = tensor.storage();
       candidate->keep_restore_ = true;
       head_pending_.push_back(candidate);
     }
   }
-  const void* trigger_key = candidate ? static_cast<const void*>(candidate.get())
-                                      : static_cast<const void*>(tensor.unsafeGetTensorImpl());
-  {
+  if (candidate) {
     std::lock_guard<std::mutex> lock(tensors_mu_);
-    if (!triggered.empty()) {
-      auto& groups = triggers_[trigger_key];
-      groups.insert(groups.end(), triggered.begin(), triggered.end());
-      trigger_count_.store(static_cast<int64_t>(triggers_.size()));
-    }
-    if (candidate) by_storage_[tensor.storage().unsafeGetStorageImpl()] = candidate;
+    by_storage_[tensor.storage().unsafeGetStorageImpl()] = candidate;
   }
-  if (!candidate) return skip();
-  return MakePacked(tensor, begin, std::move(candidate));
+  return candidate;
+}
+
+void TensorOffloader::RegisterTrigger(const void* trigger_key, std::vector<GroupId> groups) {
+  if (groups.empty()) return;
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  auto& registered = triggers_[trigger_key];
+  registered.insert(registered.end(), groups.begin(), groups.end());
+  trigger_count_.store(static_cast<int64_t>(triggers_.size()));
 }
 
 GroupId TensorOffloader::OfferHeadLocked(OffloadedStorage& candidate) {
   std::lock_guard<std::mutex> lock(candidate.mu_);
-  if (candidate.entry_ != 0 || !candidate.held_.defined()) return 0;
-  const at::Tensor source = candidate.held_;
-  OffloadEngine* engine = EngineFor(source.device());
+  if (candidate.entry_ != 0 || !candidate.held_) return 0;
+  const c10::Storage source = candidate.held_;
+  OffloadEngine* engine = EngineFor(candidate.device_);
   if (engine == nullptr) return 0;  // a second device: left alone
   auto group = engine->BeginEagerGroup();
   if (!group.ok()) ThrowStatus("starting a head group", group.status());
-  const StreamHandle compute = ComputeStream(source.device());
-  const auto* base = static_cast<const char*>(source.storage().data());
+  const StreamHandle compute = ComputeStream(candidate.device_);
+  const auto* base = static_cast<const char*>(source.data());
   const int64_t bytes = candidate.span_end_bytes_ - candidate.span_begin_bytes_;
   auto offer = engine->OfferEntry(*group, base + candidate.span_begin_bytes_,
                                   static_cast<size_t>(bytes), compute);
@@ -433,7 +507,7 @@ GroupId TensorOffloader::OfferHeadLocked(OffloadedStorage& candidate) {
     std::lock_guard<std::mutex> tensors_lock(tensors_mu_);
     if (released_early_.erase(offer->entry) == 0) sources_.emplace(offer->entry, source);
   }
-  candidate.held_ = at::Tensor();
+  candidate.held_ = c10::Storage();
   head_entries_++;
   return *group;
 }
@@ -479,11 +553,14 @@ void TensorOffloader::NoteUnpack(const void* trigger_key) {
   }
 }
 
-void TensorOffloader::UnpackKept(const at::Tensor& tensor) {
-  NoteUnpack(tensor.unsafeGetTensorImpl());
+at::Tensor TensorOffloader::UnpackKept(const KeptTensor& kept) {
+  kept.version.Verify(kept.data.sizes(), kept.data.scalar_type(), kept.data.device());
+  NoteUnpack(kept.data.unsafeGetTensorImpl());
+  return kept.data;
 }
 
 at::Tensor TensorOffloader::Unpack(const PackedTensor& packed) {
+  packed.version.Verify(packed.sizes, packed.dtype, packed.storage->device_);
   NoteUnpack(packed.storage.get());
   int64_t span_begin = 0;
   c10::Storage storage = packed.storage->Restore(&span_begin);
@@ -519,8 +596,7 @@ void TensorOffloader::DropRestore(EntryId entry, void*) {
   restores_.erase(entry);
 }
 
-void TensorOffloader::Discard(EntryId entry, const c10::StorageImpl* key,
-                              const OffloadedStorage* holder) {
+void TensorOffloader::Discard(EntryId entry, const c10::StorageImpl* key) {
   bool source_needed = false;
   if (engine_) source_needed = engine_->Discard(entry);
   std::lock_guard<std::mutex> lock(tensors_mu_);
@@ -528,13 +604,19 @@ void TensorOffloader::Discard(EntryId entry, const c10::StorageImpl* key,
   released_early_.erase(entry);
   auto it = by_storage_.find(key);
   if (it != by_storage_.end() && it->second.expired()) by_storage_.erase(it);
-  (void)holder;
 }
 
 void TensorOffloader::BeginStep() {
   std::lock_guard<std::mutex> lock(engine_mu_);
-  forward_open_.store(false);
+  const bool forward_unfinished = forward_open_.exchange(false);
   StartForwardLocked();
+  // The last forward saw no backward (its loss was dropped, or it was only logged): end it
+  // as its backward would have, so its copies drain and whatever its dropped graph held is
+  // released now, and the next group starts a new forward.
+  if (forward_unfinished && engine_) {
+    absl::Status ended = engine_->EndForward();
+    if (!ended.ok()) ThrowStatus("ending the previous forward", ended);
+  }
 }
 
 void TensorOffloader::Reset() {

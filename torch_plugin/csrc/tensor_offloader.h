@@ -26,6 +26,14 @@
 //   the groups below the head, so the LM head's backward hides their copies as well.
 // - A PackedTensor keeps its host copy alive (a retained graph can unpack it again) and
 //   returns it to the pool when destroyed.
+// - What Pack returns never holds the autograd tensor it was given (its grad_fn, hence
+//   the graph): a saved output of a node would otherwise form a cycle through the node's
+//   saved variable, and a graph dropped without backward (a skipped step, a forward for
+//   logging) would never be freed. Offloaded and head tensors are held by their storage
+//   only; a kept tensor that is not a leaf comes back as a detached alias of it.
+// - Saved-tensor hooks turn autograd's in-place check off, so every saved tensor records
+//   its version counter at Pack, and Unpack raises autograd's own "modified by an inplace
+//   operation" error when it moved.
 // - The compute stream is read at every call (the current CUDA stream), never cached.
 // - After Reset() (an exception in the step), unpacking an earlier PackedTensor throws.
 #ifndef CKPT_OFFLOAD_TORCH_PLUGIN_CSRC_TENSOR_OFFLOADER_H_
@@ -44,6 +52,10 @@
 
 #include "offload_core/device.h"
 #include "offload_core/engine.h"
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
 
 namespace ckpt_offload::torch_plugin {
 
@@ -66,6 +78,25 @@ struct OffloaderConfig {
 inline constexpr int kMaxHeadEntries = 4;
 
 class TensorOffloader;
+
+// Autograd's saved-variable version check, which saved-tensor hooks switch off: the
+// version of the tensor's counter at Pack, compared at Unpack.
+class VersionCheck {
+ public:
+  VersionCheck() = default;
+  explicit VersionCheck(const at::Tensor& tensor);
+  // Throws c10::Error with autograd's message when the tensor was modified in place since
+  // it was saved. `sizes`, `dtype` and `device` describe it in the message.
+  void Verify(c10::IntArrayRef sizes, at::ScalarType dtype, const at::Device& device) const;
+
+ private:
+  c10::VariableVersion counter_;
+  uint32_t saved_version_ = 0;
+  // For the message only ("which is output 0 of MulBackward0"); weak, so nothing of the
+  // graph is kept alive by a saved tensor.
+  std::weak_ptr<torch::autograd::Node> grad_fn_;
+  int64_t output_nr_ = 0;
+};
 
 // One offloaded storage span, shared by every saved view of that storage.
 class OffloadedStorage {
@@ -94,8 +125,8 @@ class OffloadedStorage {
   at::Device device_;
   std::mutex mu_;
   c10::weak_intrusive_ptr<c10::StorageImpl> restored_{c10::intrusive_ptr<c10::StorageImpl>()};
-  // A head candidate not (yet) handed to the engine (entry_ == 0) holds its tensor here.
-  at::Tensor held_;
+  // A head candidate not (yet) handed to the engine (entry_ == 0) holds its storage here.
+  c10::Storage held_;
   // Head tensors are often saved twice (an RMSNorm's float32 input, by pow and by mul),
   // and the first use's restore is gone before the second use: a head storage keeps its
   // restore until its last saved-tensor handle dies, as the tensor itself would live.
@@ -110,6 +141,21 @@ struct PackedTensor {
   std::vector<int64_t> strides;
   int64_t storage_offset_bytes = 0;  // within the original storage
   at::ScalarType dtype = at::kFloat;
+  VersionCheck version;
+};
+
+// What Pack returns for a tensor that stays where it is: the tensor itself when it is a
+// leaf (nothing of the graph hangs on it), otherwise a detached alias (same storage and
+// version counter, no grad_fn).
+struct KeptTensor {
+  at::Tensor data;
+  VersionCheck version;
+};
+
+// The result of Pack: exactly one of the two is set.
+struct SavedTensor {
+  std::shared_ptr<PackedTensor> packed;
+  std::shared_ptr<KeptTensor> kept;
 };
 
 struct OffloaderStats {
@@ -133,25 +179,25 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   void BeginGroup(const std::vector<at::Tensor>& inputs);
   void EndGroup();
 
-  // Autograd's saved-tensor hooks. Pack returns nullptr for "keep the tensor as it is";
-  // such a tensor reaches UnpackKept instead of Unpack.
-  std::shared_ptr<PackedTensor> Pack(const at::Tensor& tensor);
+  // Autograd's saved-tensor hooks. Pack returns `kept` for a tensor that stays where it
+  // is; it comes back through UnpackKept. Both Unpacks throw autograd's in-place error
+  // when the tensor was modified since Pack.
+  SavedTensor Pack(const at::Tensor& tensor);
   at::Tensor Unpack(const PackedTensor& packed);
-  void UnpackKept(const at::Tensor& tensor);
+  at::Tensor UnpackKept(const KeptTensor& kept);
 
-  // Counts a tensor the caller keeps without asking Pack (a Python tensor subclass such as
-  // nn.Parameter); it may still trigger head tensors saved before it.
-  void PackForeign(const at::Tensor& tensor);
-  void CountSkipped() {
-    packed_.fetch_add(1, std::memory_order_relaxed);
-    skipped_.fetch_add(1, std::memory_order_relaxed);
-  }
+  // A tensor the caller keeps without asking Pack (a Python tensor subclass such as
+  // nn.Parameter, held by the caller as `held`); it may still trigger head tensors saved
+  // before it. NoteUnpackForeign(held) is its unpack.
+  void PackForeign(const at::Tensor& held);
+  void NoteUnpackForeign(const at::Tensor& held);
 
   // Why `tensor` would not be offloaded, or empty when it would (ignores marking).
   std::string IneligibleReason(const at::Tensor& tensor) const;
 
-  // A new training step begins (the context's entry): forgets the head state of a forward
-  // that saw no backward (an evaluation with grad enabled).
+  // A new training step begins (the context's entry). A forward that saw no backward (a
+  // dropped loss, an evaluation with grad enabled) ends here: its copies are drained, so
+  // the device memory of whatever its graph released is free, and its head state is gone.
   void BeginStep();
   void Reset();        // throws c10::Error with the device's text when draining failed
   void Synchronize();  // settles in-flight copies and figures
@@ -175,19 +221,30 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   OffloadEngine* EngineFor(const at::Device& device);
   StreamHandle ComputeStream(const at::Device& device) const;
   bool MatchesBackend(const at::Tensor& tensor) const;
-  void Discard(EntryId entry, const c10::StorageImpl* key, const OffloadedStorage* holder);
+  void Discard(EntryId entry, const c10::StorageImpl* key);
   c10::Storage AcquireStorage(EntryId entry, const at::Device& device, bool* resident);
 
   // Head (see the contract). PackUngrouped handles a tensor saved outside any group in
   // scope kCheckpointInputs; OfferHeadLocked hands a candidate to the engine as an eager
-  // group (0: it stays where it is). engine_mu_ held by the Locked ones.
-  std::shared_ptr<PackedTensor> PackUngrouped(const at::Tensor& tensor, bool may_offload);
+  // group (0: it stays where it is). engine_mu_ held by the Locked ones. A kept trigger
+  // is keyed by its KeptTensor's (or a foreign tensor's) TensorImpl, a packed one by its
+  // OffloadedStorage: both live as long as the saved handle.
+  bool HeadRelevant(const at::Tensor& tensor) const;  // may be a candidate or trigger
+  SavedTensor PackUngrouped(const at::Tensor& tensor);
+  SavedTensor Keep(const at::Tensor& tensor);
+  // Registers the head groups `tensor` triggers (if any) under `trigger_key`; returns
+  // the candidate `tensor` became, or null.
+  std::shared_ptr<OffloadedStorage> OfferHeadAndTrigger(const at::Tensor& tensor,
+                                                        bool may_offload,
+                                                        std::vector<GroupId>* triggered);
+  void RegisterTrigger(const void* trigger_key, std::vector<GroupId> groups);
   GroupId OfferHeadLocked(OffloadedStorage& candidate);
   void StartForwardLocked();
   // Backward began (first unpack after a forward): EndForward. Then a trigger's groups.
   void NoteUnpack(const void* trigger_key);
   std::shared_ptr<PackedTensor> SharedView(const at::Tensor& tensor, int64_t begin,
                                            int64_t end);
+  SavedTensor Skip(const at::Tensor& tensor);
 
   OffloaderConfig config_;  // host_memory_limit may change between steps
 
@@ -214,7 +271,8 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
 
   // Tensors owned on the engine's behalf (guarded by tensors_mu_; taken inside engine calls).
   std::mutex tensors_mu_;
-  std::unordered_map<EntryId, at::Tensor> sources_;   // until ReleaseSource / Discard
+  // Sources by storage: an at::Tensor would hold its grad_fn, and with it the graph.
+  std::unordered_map<EntryId, c10::Storage> sources_;  // until ReleaseSource / Discard
   std::unordered_set<EntryId> released_early_;        // ReleaseSource before Pack stored it
   std::unordered_map<EntryId, at::Tensor> restores_;  // until acquired or dropped
   std::unordered_map<const c10::StorageImpl*, std::weak_ptr<OffloadedStorage>> by_storage_;
