@@ -2,12 +2,19 @@
 
 The hooks themselves are C++ (ckpt_offload._C.Offloader.pack/unpack); this module only
 decides which engine is active and which tensors form a checkpoint group.
+
+Everything here is per thread, as autograd's saved-tensor hooks are: the active engine,
+and the offloaders (host pools and step state) that engines of equal settings share. Two
+threads training two models are two independent offloads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import sys
 import threading
+import warnings
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -28,70 +35,95 @@ STAT_KEYS = (
     "head_restored_bytes", "head_kept_tensors", "head_cap_fallbacks",
 )
 
-# Offloaders are shared by every engine of the same settings, so the host pool (and its
-# pinned memory, slow to allocate) survives from one step's context to the next.
-_OFFLOADERS: Dict[Tuple, "_C.Offloader"] = {}
-_OFFLOADERS_LOCK = threading.Lock()
-_ACTIVE: Optional["OffloadEngine"] = None
+class _ThreadState(threading.local):
+    """This thread's active engine and its offloaders.
+
+    Offloaders are shared by every engine of the same settings in a thread, so the host
+    pool (and its pinned memory, slow to allocate) survives from one step's context to the
+    next; they go when the thread ends.
+    """
+
+    def __init__(self):
+        self.active: Optional["OffloadEngine"] = None
+        self.entered_at = ""        # where the active engine's context was entered
+        self.hooks: Optional[Tuple] = None  # the (pack, unpack) pair it pushed
+        self.group_open = False     # a checkpoint group is being tagged
+        self.offloaders: Dict[Tuple, "_C.Offloader"] = {}
+
+
+_THREAD = _ThreadState()
 
 
 def _offloader_for(config: OffloadConfig, backend: str) -> "_C.Offloader":
+    """This thread's offloader for `config`, made on first use."""
     limit = config.host_memory_limit_bytes()
     key = (backend, config.keep_last, config.prefetch_depth, config.min_offload_bytes,
            config.scope, config.max_inflight_d2h_groups, config.offload_head)
-    with _OFFLOADERS_LOCK:
-        offloader = _OFFLOADERS.get(key)
-        if offloader is None:
-            if backend == "cuda" and not _C.cuda_support_compiled():
-                raise ValueError("backend: 'cuda' requested but ckpt_offload was built without "
-                                 "CUDA support; reinstall with a CUDA build of torch")
-            offloader = _C.Offloader(
-                keep_last=config.keep_last, prefetch_depth=config.prefetch_depth,
-                min_offload_bytes=config.min_offload_bytes, host_memory_limit=limit,
-                backend=backend, scope=config.scope,
-                max_inflight_d2h_groups=config.max_inflight_d2h_groups,
-                offload_head=config.offload_head)
-            _OFFLOADERS[key] = offloader
-        else:
-            offloader.set_host_memory_limit(limit)
-        return offloader
+    offloader = _THREAD.offloaders.get(key)
+    if offloader is None:
+        if backend == "cuda" and not _C.cuda_support_compiled():
+            raise ValueError("backend: 'cuda' requested but ckpt_offload was built without "
+                             "CUDA support; reinstall with a CUDA build of torch")
+        offloader = _C.Offloader(
+            keep_last=config.keep_last, prefetch_depth=config.prefetch_depth,
+            min_offload_bytes=config.min_offload_bytes, host_memory_limit=limit,
+            backend=backend, scope=config.scope,
+            max_inflight_d2h_groups=config.max_inflight_d2h_groups,
+            offload_head=config.offload_head)
+        _THREAD.offloaders[key] = offloader
+    else:
+        offloader.set_host_memory_limit(limit)
+    return offloader
 
 
 class OffloadEngine:
     """Offloads saved activations while entered (`with engine:`).
 
     Backward may run inside or after the block. Figures from stats() count what happened
-    since the block was entered; host_* figures describe the shared host pool.
+    since the block was entered; host_* figures describe the thread's shared host pool.
+    The context is per thread: entered in a thread, it offloads what that thread's
+    autograd saves, through that thread's offloader.
     """
 
     def __init__(self, config: OffloadConfig):
         self.config = config
         backend = config.resolved_backend()
         self.backend = backend
+        # The offloader of the thread that last entered (stats() reads it).
         self._offloader = _offloader_for(config, backend) if backend else None
-        self._hooks = None
 
     def __enter__(self) -> "OffloadEngine":
-        global _ACTIVE
-        if _ACTIVE is not None:
+        state = _THREAD
+        if state.active is not None:
+            same = "this engine" if state.active is self else "another engine"
             raise RuntimeError(
-                "ckpt_offload: offload_activations() is already active; contexts cannot be "
-                "nested (enter one per training step)")
-        if self._offloader is not None:
-            self._offloader.reset_stats()
+                "ckpt_offload: offload_activations() is already active in this thread "
+                f"({same}, entered at {state.entered_at}); contexts cannot be nested: "
+                "exit that one first (enter one per training step). Other threads have "
+                "contexts of their own.")
+        if self.backend is not None:
+            self._offloader = _offloader_for(self.config, self.backend)
+            # The previous forward's end (if it saw no backward) is part of no step's figures.
             self._offloader.begin_step()
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(
-                self._offloader.pack, self._offloader.unpack)
-            self._hooks.__enter__()
-        _ACTIVE = self
+            self._offloader.reset_stats()
+            hooks = (self._offloader.pack, self._offloader.unpack)
+            torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
+            state.hooks = hooks
+        _install_checkpoint_tagging()
+        caller = sys._getframe(1)
+        state.entered_at = f"{caller.f_code.co_filename}:{caller.f_lineno}"
+        state.active = self
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        global _ACTIVE
-        _ACTIVE = None
-        if self._hooks is not None:
-            self._hooks.__exit__(exc_type, exc, tb)
-            self._hooks = None
+        state = _THREAD
+        if state.active is not self:
+            return False  # __enter__ raised: nothing of ours to undo
+        state.active = None
+        state.group_open = False
+        if state.hooks is not None:
+            state.hooks = None
+            torch._C._autograd._pop_saved_tensors_default_hooks()
         if exc_type is not None and self._offloader is not None:
             # The step is abandoned: drain copies, return every host block and source.
             self._offloader.reset()
@@ -99,7 +131,7 @@ class OffloadEngine:
 
     @property
     def active(self) -> bool:
-        return _ACTIVE is self
+        return _THREAD.active is self
 
     @contextlib.contextmanager
     def group(self, tensors):
@@ -107,10 +139,13 @@ class OffloadEngine:
         if self._offloader is None:
             yield
             return
+        state = _THREAD
         self._offloader.begin_group(list(tensors))
+        state.group_open = True
         try:
             yield
         finally:
+            state.group_open = False
             self._offloader.end_group()
 
     def synchronize(self) -> None:
@@ -141,8 +176,8 @@ def offload_activations(config: Optional[OffloadConfig] = None, **overrides) -> 
 
 
 def current_engine() -> Optional[OffloadEngine]:
-    """The engine whose context is active, or None."""
-    return _ACTIVE
+    """The engine whose context is active in this thread, or None."""
+    return _THREAD.active
 
 
 @contextlib.contextmanager
@@ -154,7 +189,7 @@ def mark_checkpoint_inputs(*tensors: torch.Tensor):
 
     Outside an offload context it does nothing.
     """
-    engine = _ACTIVE
+    engine = _THREAD.active
     if engine is None:
         yield
         return
@@ -186,10 +221,61 @@ def checkpoint(function, *args, **kwargs):
     if not tensors and not any(isinstance(v, torch.Tensor) for v in kwargs.values()):
         raise ValueError("ckpt_offload.checkpoint: got no tensor arguments, so there is "
                          "nothing to checkpoint or offload")
-    engine = _ACTIVE
+    engine = _THREAD.active
     if engine is None:
         return torch.utils.checkpoint.checkpoint(
             function, *args, use_reentrant=False, **options, **kwargs)
     with engine.group(tensors):
         return torch.utils.checkpoint.checkpoint(
             function, *args, use_reentrant=False, **options, **kwargs)
+
+
+# torch's own non-reentrant checkpoint (torch.utils.checkpoint.checkpoint(use_reentrant=False),
+# checkpoint_wrapper, a model's gradient checkpointing) saves a layer's inputs through
+# _NoopSaveInputs.apply(dummy, kwargs, *args), whose saves autograd packs before apply
+# returns. Inside an offload context those are checkpoint inputs like any other: they are
+# tagged as one group, unless ckpt_offload already tagged this call.
+_NOOP_SAVE_INPUTS = getattr(torch.utils.checkpoint, "_NoopSaveInputs", None)
+_ORIGINAL_APPLY = None  # Function.apply, as _NoopSaveInputs had it
+_TAGGING_UNAVAILABLE = (
+    "ckpt_offload: this torch has no torch.utils.checkpoint._NoopSaveInputs, so inputs of "
+    "torch.utils.checkpoint calls made directly (not through ckpt_offload.checkpoint, "
+    "mark_checkpoint_inputs or ckpt_offload.hf) are not offloaded")
+
+
+def _tagging_engine() -> Optional[OffloadEngine]:
+    """The engine that should tag a torch checkpoint call's inputs now, or None: ours must
+    be the innermost saved-tensor hooks (a nested checkpoint's inputs are saved into its
+    parent's hooks), no group open, and no backward running (a nested recompute)."""
+    state = _THREAD
+    engine = state.active
+    if engine is None or state.hooks is None or state.group_open:
+        return None
+    if torch._C._current_graph_task_id() != -1:
+        return None
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if top is None or top[0] is not state.hooks[0]:
+        return None
+    return engine
+
+
+def _tagging_apply(cls, *args, **kwargs):
+    engine = _tagging_engine()
+    if engine is None:
+        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+    # args: (dummy, kwargs, *layer_args); the layer's positional tensors are its inputs.
+    with engine.group(_taggable(args[2:])):
+        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+
+
+def _install_checkpoint_tagging() -> None:
+    global _ORIGINAL_APPLY
+    if _ORIGINAL_APPLY is not None:
+        return
+    original = inspect.getattr_static(_NOOP_SAVE_INPUTS, "apply", None)
+    if not isinstance(original, classmethod):
+        _ORIGINAL_APPLY = False  # warned once; checked no more
+        warnings.warn(_TAGGING_UNAVAILABLE, UserWarning, stacklevel=3)
+        return
+    _ORIGINAL_APPLY = original
+    _NOOP_SAVE_INPUTS.apply = classmethod(_tagging_apply)
