@@ -1,7 +1,7 @@
 """Shared helpers of the reliability tests (CPU, host backend).
 
-Offloaders are shared by every engine with the same settings (ckpt_offload.engine caches
-them by config), so a test that needs a fresh one (an empty host arena, a fallback warning
+Offloaders are shared by every engine with the same settings in a thread (ckpt_offload.engine
+caches them by config, per thread), so a test that needs a fresh one (an empty host arena, a fallback warning
 not given yet) asks fresh_host_config() for a min_offload_bytes value no other test used:
 every saved tensor of these tests is far larger, so the value changes nothing else.
 """
@@ -124,3 +124,10 @@ def armed_fault(fault: str, count: int = 1):
 
 def thread_count() -> int:
     return threading.active_count()
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/statm") as f:
+        resident_pages = int(f.read().split()[1])
+    return resident_pages * os.sysconf("SC_PAGE_SIZE")

@@ -5,7 +5,6 @@ offload. Every micro-batch's loss and every step's gradients are bit-identical; 
 arena and the process RSS stay flat after warm-up."""
 
 import copy
-import os
 import threading
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 
 import ckpt_offload
 from models import make_llama_stack
-from reliability_util import fresh_host_config, plain_checkpoint
+from reliability_util import fresh_host_config, plain_checkpoint, rss_bytes
 
 STEPS = 500
 MICRO_BATCHES = 2
@@ -30,12 +29,6 @@ RSS_FROM_STEP = 100     # RSS growth is measured from here to the end
 # for the 400 measured steps is ~37 MiB; leaking a restore buffer, a recompute's
 # activations or a step's graph is larger still.
 RSS_GROWTH_BOUND = 16 << 20
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        resident_pages = int(f.read().split()[1])
-    return resident_pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def mib(n: int) -> str:
