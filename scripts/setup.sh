@@ -7,9 +7,11 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CKPT_OFFLOAD_VENV:-$HOME/.cache/ckpt_offload/venv}"
 
+# cmake: tests/install exercises the pip build's search of abseil's CMake config.
+# libnuma-dev: only the NUMA tests call libnuma; the engine makes the system calls itself.
 APT_PACKAGES=(
   bazel-bootstrap bazel-rules-java bazel-platforms
-  g++ pkg-config libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libnuma-dev
+  g++ pkg-config cmake libabsl-dev libgtest-dev libgmock-dev libbenchmark-dev libnuma-dev
   clang-14 libclang-rt-14-dev
   python3 python3-venv python3-dev
 )
