@@ -1,5 +1,6 @@
 // Fuzz target: HostArena under arbitrary sequences of Allocate / Free / SetByteCap /
-// ReleaseFreeSlabs / ResetPeak / backend failures / full resets, with arbitrary options.
+// ReleaseFreeSlabs / ResetPeak / Reserve / backend failures / full resets, with arbitrary
+// options.
 //
 // Checked after every operation (host_arena.h's contract):
 // - a block is aligned to kHostBlockAlignment, holds at least the requested bytes (and, as
@@ -10,6 +11,11 @@
 //   backend's outstanding slabs, peak >= live, allocation and backend counters match;
 // - the cap: the pool only grows up to the cap; a refused request changes nothing; after
 //   SetByteCap/ReleaseFreeSlabs no completely free slab is kept above the cap;
+// - the bound: a growth leaves reserved <= 1.15 * high water + granularity unless it is
+//   counted in overbound_growths; retiring bytes never exceed reserved ones; the high
+//   water never drops and is at least live bytes;
+// - Reserve: on success reserved >= the request, with at most one backend allocation; a
+//   refusal changes nothing;
 // - every slab goes back to the backend, exactly once, by the time the arena is destroyed.
 #include <algorithm>
 #include <cstdint>
@@ -173,10 +179,14 @@ class Harness {
       FUZZ_CHECK(prev->first + prev->second.bytes <= start,
                  "block at %p overlaps the previous live block", block->data);
     }
-    // Growth stays under the cap.
+    // Growth stays under the cap, and under the bound unless counted.
     if (after.reserved_bytes > before.reserved_bytes) {
       FUZZ_CHECK(after.reserved_bytes <= cap_, "reserved %zu above the cap %zu after growth",
                  after.reserved_bytes, cap_);
+      if (after.overbound_growths == before.overbound_growths) {
+        FUZZ_CHECK(WithinBound(after), "growth to %zu above 1.15 * %zu + %zu, not counted",
+                   after.reserved_bytes, after.high_water_bytes, granularity_);
+      }
     }
     const uint8_t tag = static_cast<uint8_t>(++tags_);
     auto* bytes = static_cast<uint8_t*>(block->data);
@@ -219,6 +229,28 @@ class Harness {
   }
 
   void FailBackend(int count) { ledger_.fail_next = count; }
+
+  void Reserve(size_t bytes) {
+    const ArenaStats before = arena_->stats();
+    const int64_t backend_calls_before = ledger_.allocations + ledger_.frees;
+    const absl::Status status = arena_->Reserve(bytes);
+    const ArenaStats after = arena_->stats();
+    if (status.ok()) {
+      FUZZ_CHECK(after.reserved_bytes >= bytes, "Reserve(%zu) left %zu reserved", bytes,
+                 after.reserved_bytes);
+      FUZZ_CHECK(after.reserved_bytes == before.reserved_bytes || after.reserved_bytes <= cap_,
+                 "Reserve grew the pool above the cap");
+      FUZZ_CHECK(ledger_.allocations - (backend_calls_before - ledger_.frees) <= 1 &&
+                     after.backend_frees == before.backend_frees,
+                 "Reserve made more than one backend allocation or released slabs");
+      FUZZ_CHECK(after.high_water_bytes >= bytes, "Reserve did not raise the high water");
+    } else {
+      FUZZ_CHECK(after.reserved_bytes == before.reserved_bytes &&
+                     ledger_.allocations + ledger_.frees == backend_calls_before,
+                 "a refused Reserve changed the pool");
+    }
+    VerifyAccounting();
+  }
 
   // Everything freed, every slab released: the pool is empty again.
   void Reset() {
@@ -273,9 +305,27 @@ class Harness {
     FUZZ_CHECK(stats.backend_allocations == ledger_.allocations &&
                    stats.backend_frees == ledger_.frees,
                "backend counters differ from the backend's");
+    FUZZ_CHECK(stats.retiring_bytes <= stats.reserved_bytes, "retiring above reserved");
+    FUZZ_CHECK(stats.high_water_bytes >= stats.live_bytes &&
+                   stats.high_water_bytes >= high_water_,
+               "high water %zu below live %zu or dropped from %zu", stats.high_water_bytes,
+               stats.live_bytes, high_water_);
+    high_water_ = stats.high_water_bytes;
+  }
+
+  // 20 * reserved <= 23 * high water + 20 * granularity (exact: 1.15 = 23 / 20).
+  bool WithinBound(const ArenaStats& stats) const {
+    const unsigned __int128 reserved = stats.reserved_bytes;
+    return 20 * reserved <= 23 * static_cast<unsigned __int128>(stats.high_water_bytes) +
+                                20 * static_cast<unsigned __int128>(granularity_);
   }
 
   ArenaOptions options_;
+  // The arena's granularity: at least, and a multiple of, the block alignment.
+  size_t granularity_ = (std::max(options_.slab_granularity, kHostBlockAlignment) +
+                         kHostBlockAlignment - 1) /
+                        kHostBlockAlignment * kHostBlockAlignment;
+  size_t high_water_ = 0;
   BackendLedger ledger_;
   std::unique_ptr<HostArena> arena_;
   std::map<uintptr_t, Live> live_;
@@ -360,7 +410,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         harness.Reset();
         break;
       case 15:
-        harness.FreeNull();
+        if (in.Below(2) == 0) {
+          harness.FreeNull();
+        } else {
+          harness.Reserve(Size(in));
+        }
         break;
     }
   }
