@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <memory>
 #include <random>
 #include <string>
@@ -101,6 +102,135 @@ void BM_ArenaVariableLengthSteps(benchmark::State& state) {
   state.SetItemsProcessed(state.iterations() * kLayers);
 }
 BENCHMARK(BM_ArenaVariableLengthSteps);
+
+// The host pool over adversarial length sequences, at 8B scale (32 layers, 8 KiB per token
+// and layer, a float32 head input of twice that, two small fixed tables), with the slabs'
+// addresses made up (nothing is touched, so GiBs cost nothing). Not a timing: one iteration
+// runs the whole trace and the counters are the figures. Arg 0: no hint, Arg 1:
+// Reserve(the longest step's bytes) first. Pinned memory costs ~0.45 s per GiB on the GPU
+// box, so `gib_after_first_step` is what later steps would pay.
+class CountingBackend : public HostMemoryBackend {
+ public:
+  absl::StatusOr<void*> Allocate(size_t bytes) override {
+    const uintptr_t base = next_;
+    next_ += (bytes / kMiB + 2) * kMiB;
+    allocated_bytes += bytes;
+    return reinterpret_cast<void*>(base);
+  }
+  void Free(void*, size_t) override {}
+  const char* name() const override { return "counting"; }
+  size_t allocated_bytes = 0;
+
+ private:
+  uintptr_t next_ = uintptr_t{1} << 44;
+};
+
+struct PoolTraceFigures {
+  int64_t steps = 0;
+  int64_t growing_steps = 0;
+  int64_t first_step_allocations = 0;
+  int64_t later_allocations = 0;
+  int64_t covered_step_allocations = 0;  // steps no longer than an earlier one
+  int64_t most_in_a_later_step = 0;
+  double gib_after_first_step = 0;
+  double worst_reserved_over_peak = 0;  // at step ends
+};
+
+PoolTraceFigures RunPoolTrace(const std::vector<int64_t>& lengths, bool reserve, bool print) {
+  constexpr int kLayers = 32;
+  constexpr size_t kPerToken = 8 * kKiB;
+  auto backend = std::make_unique<CountingBackend>();
+  CountingBackend* counting = backend.get();
+  HostArena arena(std::move(backend));
+  auto step_bytes = [&](int64_t seq) {
+    return 2 * 256 * kKiB + kLayers * kPerToken * seq + 2 * kPerToken * seq;
+  };
+  if (reserve) {
+    const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+    (void)arena.Reserve(step_bytes(longest));
+  }
+  PoolTraceFigures figures;
+  int64_t longest = 0;
+  size_t bytes_after_first = 0;
+  std::vector<HostBlock> blocks;
+  for (size_t step = 0; step < lengths.size(); ++step) {
+    const int64_t seq = lengths[step];
+    const ArenaStats before = arena.stats();
+    const size_t bytes_before = counting->allocated_bytes;
+    blocks.clear();
+    for (int i = 0; i < 2; ++i) blocks.push_back(arena.Allocate(256 * kKiB).value());
+    for (int layer = 0; layer < kLayers; ++layer) {
+      blocks.push_back(arena.Allocate(kPerToken * seq).value());
+    }
+    blocks.push_back(arena.Allocate(2 * kPerToken * seq).value());
+    for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) arena.Free(*it);
+    const ArenaStats after = arena.stats();
+    const int64_t made = after.backend_allocations - before.backend_allocations;
+    ++figures.steps;
+    if (made > 0) ++figures.growing_steps;
+    if (step == 0) {
+      figures.first_step_allocations = made;
+    } else {
+      figures.later_allocations += made;
+      figures.most_in_a_later_step = std::max(figures.most_in_a_later_step, made);
+      bytes_after_first += counting->allocated_bytes - bytes_before;
+    }
+    if (seq <= longest) figures.covered_step_allocations += made;
+    longest = std::max(longest, seq);
+    const double ratio = static_cast<double>(after.reserved_bytes) / after.peak_live_bytes;
+    figures.worst_reserved_over_peak = std::max(figures.worst_reserved_over_peak, ratio);
+    if (print && (made > 0 || step == 0)) {
+      std::fprintf(stderr,
+                   "  step %3zu seq %5lld: %2lld backend allocations (%.2f GiB), %2lld frees; "
+                   "reserved %.2f GiB, peak live %.2f GiB (x%.3f)\n",
+                   step, static_cast<long long>(seq), static_cast<long long>(made),
+                   static_cast<double>(counting->allocated_bytes - bytes_before) / (1 << 30),
+                   static_cast<long long>(after.backend_frees - before.backend_frees),
+                   static_cast<double>(after.reserved_bytes) / (1 << 30),
+                   static_cast<double>(after.peak_live_bytes) / (1 << 30), ratio);
+    }
+  }
+  figures.gib_after_first_step = static_cast<double>(bytes_after_first) / (1 << 30);
+  return figures;
+}
+
+std::vector<int64_t> AdversarialLengths() {
+  std::vector<int64_t> lengths;
+  std::mt19937_64 rng(11);
+  std::uniform_int_distribution<int64_t> uniform(8192, 16384);
+  lengths.push_back(10240);                                 // the first step is not the longest
+  for (int i = 0; i < 20; ++i) lengths.push_back(uniform(rng));  // seq drawn in [8k, 16k]
+  for (int64_t seq = 4096; seq <= 12288; seq += 2048) lengths.push_back(seq);  // rise
+  for (int64_t seq = 12288; seq >= 4096; seq -= 2048) lengths.push_back(seq);  // fall
+  for (int i = 0; i < 30; ++i) lengths.push_back(12288);      // a long plateau
+  lengths.push_back(18000);                                   // then a new maximum
+  for (int i = 0; i < 10; ++i) lengths.push_back(uniform(rng));
+  return lengths;
+}
+
+void BM_ArenaPoolAdversarialLengths(benchmark::State& state) {
+  const bool reserve = state.range(0) == 1;
+  const std::vector<int64_t> lengths = AdversarialLengths();
+  PoolTraceFigures figures;
+  bool print = true;
+  for (auto _ : state) {
+    if (print) {
+      std::fprintf(stderr, "pool trace (%s), steps with backend allocations:\n",
+                   reserve ? "Reserve(longest step) first" : "no hint");
+    }
+    figures = RunPoolTrace(lengths, reserve, print);
+    print = false;
+  }
+  state.counters["steps"] = static_cast<double>(figures.steps);
+  state.counters["growing_steps"] = static_cast<double>(figures.growing_steps);
+  state.counters["allocs_first_step"] = static_cast<double>(figures.first_step_allocations);
+  state.counters["allocs_later"] = static_cast<double>(figures.later_allocations);
+  state.counters["allocs_covered_steps"] = static_cast<double>(figures.covered_step_allocations);
+  state.counters["most_in_a_later_step"] = static_cast<double>(figures.most_in_a_later_step);
+  state.counters["gib_after_first_step"] = figures.gib_after_first_step;
+  state.counters["reserved_over_peak"] = figures.worst_reserved_over_peak;
+}
+BENCHMARK(BM_ArenaPoolAdversarialLengths)->Arg(0)->Arg(1)->Iterations(1);
 
 // Threads sharing one arena (the engine's forward and backward sides do): the cost of the
 // single mutex under contention. Arg: block bytes.
