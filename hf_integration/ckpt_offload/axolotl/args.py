@@ -20,7 +20,8 @@ import difflib
 import typing
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, Field, ValidationInfo, create_model, field_validator, model_validator
+from pydantic import (BaseModel, Field, ValidationInfo, create_model, field_validator,
+                      model_validator)
 
 from ckpt_offload import OffloadConfig
 

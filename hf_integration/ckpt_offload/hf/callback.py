@@ -40,12 +40,13 @@ class ActivationOffloadCallback(TrainerCallback):
       trackers from then on, and an exception in that first train() leaves the
       installation until the next install replaces it (or disable_activation_offload).
     - on_train_begin: installs on the Trainer's model instance (after the Trainer enabled
-      gradient checkpointing). An installation left on the model by another callback whose
-      train() raised is replaced, with a warning; one by enable_activation_offload(), or by
-      another callback of the same Trainer, raises RuntimeError. Checkpointing is made non-reentrant (use_reentrant=True is
+      gradient checkpointing). Checkpointing is made non-reentrant (use_reentrant=True is
       changed, with a warning) and turned on if it was off. Each training forward, that is
       each micro-batch of gradient accumulation, is one engine step; evaluation and
-      prediction run without grad and offload nothing.
+      prediction run without grad and offload nothing. An installation left on the model
+      by another callback whose train() raised is replaced, with a warning; one by
+      enable_activation_offload(), or by another callback of the same Trainer, raises
+      RuntimeError.
     - on_log: adds `offload/...` figures (per optimizer step, averaged since the last log).
     - on_train_end: uninstalls; the model's forward and checkpoint functions are the same
       objects as before.
