@@ -2,6 +2,8 @@
 # One GPU-machine call: the GPU suite and/or benchmarks, logs packed into $OUT/gpu_logs.tgz
 # (the device tool returns at most 8 files). Usage on the GPU machine, from the repo root:
 #   CKPT_OFFLOAD_COMMIT=<hash> bash scripts/gpu_call.sh "suite" "bench:<gpu_bench args>" ...
+# Jobs: suite | pytest:<args> | py:<args> (python3 <args> from tests/) | bench:<args> |
+#       packbench:<source tree of the base to compare with>
 set -uo pipefail
 LOGS=/tmp/gpu_logs
 rm -rf "$LOGS" && mkdir -p "$LOGS"
@@ -35,6 +37,22 @@ for job in "$@"; do
       install_once
       # shellcheck disable=SC2086
       (cd tests && python3 ${job#py:}) 2>&1 | tee -a "$LOGS/py.log" || status=1 ;;
+    packbench:*)
+      # pack_bench of this tree against another source tree (its path after the colon,
+      # e.g. a `git archive` of the base commit), alternating processes, 3 rounds each.
+      install_once
+      base_src=${job#packbench:}
+      CKPT_OFFLOAD_ABSL_PREFIX="$(pwd)/.gpu_deps/absl" MAX_JOBS=16 python3 -m pip install \
+        --no-build-isolation --no-deps -q --target /tmp/pack_base "$base_src" \
+        > "$LOGS/pack_base_install.log" 2>&1 || status=1
+      for round in 1 2 3; do
+        for side in base current; do
+          path=/tmp/pack_base; [ "$side" = current ] && path=""
+          echo "== round $round: $side" | tee -a "$LOGS/pack_bench.log"
+          (cd /tmp && PYTHONPATH="$path" python3 "$OLDPWD/benchmarks/pack_bench.py") 2>&1 \
+            | tee -a "$LOGS/pack_bench.log" || status=1
+        done
+      done ;;
     bench:*)
       install_once
       mkdir -p "$LOGS/bench"
