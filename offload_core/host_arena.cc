@@ -338,10 +338,6 @@ struct HostArena::Impl {
     return bound;
   }
 
-  size_t RoundDownToGranularity(size_t value) const {
-    return value - value % options.slab_granularity;
-  }
-
   absl::Status CapRefusal(size_t requested, size_t slab_bytes) {
     ++stats.cap_rejections;
     return absl::ResourceExhaustedError(
