@@ -405,3 +405,40 @@ def test_accelerate_prepared_model_with_autocast_forward():
         return result
 
     assert_same(run(offload=False), run(offload=True))
+
+
+class TokensWithANote(torch.utils.data.Dataset):
+    """Token data with a column the model's forward does not take: the Trainer drops it by
+    reading inspect.signature(model.forward)."""
+
+    def __init__(self):
+        from tiny import TokenDataset
+
+        self.tokens = TokenDataset()
+
+    def __len__(self):
+        return len(self.tokens)
+
+    def __getitem__(self, i):
+        return {**self.tokens[i], "note": torch.tensor(i)}
+
+
+def test_forward_keeps_its_signature_and_a_trainer_reads_it(tmp_path):
+    import inspect
+
+    from transformers import Trainer
+
+    from tiny import training_args
+
+    model = tiny_llama()
+    plain_signature = inspect.signature(model.forward)
+    handle = enable_activation_offload(model, keep_last=0, **HOST)
+    assert inspect.signature(model.forward) == plain_signature
+    assert model.forward.__name__ == "forward" and model.forward.__doc__
+    # A Trainer made on the installed model (no callback: the handle offloads; the
+    # Trainer leaves checkpointing, which the installation turned on, as it is).
+    trainer = Trainer(model=model, train_dataset=TokensWithANote(),
+                      args=training_args(tmp_path, max_steps=2, gradient_checkpointing=False))
+    trainer.train()
+    assert handle.totals()["offloaded_tensors"] == 2 * 4
+    handle.disable()
