@@ -420,3 +420,28 @@ def test_pack_never_returns_the_autograd_tensor_itself():
     assert offloader.unpack(offloader.pack(leaf)) is leaf
     assert offloader.unpack(offloader.pack(produced)).grad_fn is None
     gc.collect()
+
+
+def test_exception_inside_a_torch_checkpoint_leaves_no_hook_of_ours_active():
+    """The failing checkpoint's own hooks stay pushed until its generator is collected; the
+    context's exit still takes exactly its own hooks off, and theirs go with the generator."""
+    layer = nn.Linear(32, 32)
+
+    def failing(h):
+        raise ValueError("layer failed")
+
+    with pytest.raises(ValueError, match="layer failed") as raised:
+        with ckpt_offload.offload_activations(**SETTINGS) as engine:
+            h = layer(torch.randn(4, 32))
+            torch.utils.checkpoint.checkpoint(failing, h, use_reentrant=False)
+    offloader = engine._offloader
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    assert top is not None  # the failed checkpoint's, as without offload
+    assert getattr(top[0], "__self__", None) is not offloader
+    del raised, top
+    gc.collect()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None
+    assert ckpt_offload.current_engine() is None
+    packed = offloader.stats()["packed_tensors"]
+    (layer(torch.randn(4, 32)).sin().sum()).backward()  # no hook of ours sees this
+    assert offloader.stats()["packed_tensors"] == packed

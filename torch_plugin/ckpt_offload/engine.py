@@ -76,6 +76,23 @@ def _offloader_for(config: OffloadConfig, backend: str) -> "_C.Offloader":
     return offloader
 
 
+def _pop_hooks(ours: Tuple) -> None:
+    """Takes our (pack, unpack) pair off autograd's hook stack. It is the top one, except
+    after an exception inside a torch checkpoint: that checkpoint's hooks stay above ours
+    until its generator is collected. They are lifted off, ours popped, theirs put back, so
+    their own exit later pops them and nothing of ours stays active."""
+    above = []
+    top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    while top is not None and top[0] is not ours[0]:
+        above.append(top)
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+        top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if top is not None:
+        torch._C._autograd._pop_saved_tensors_default_hooks()
+    for pack, unpack in reversed(above):
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
 class OffloadEngine:
     """Offloads saved activations while entered (`with engine:`).
 
@@ -122,8 +139,8 @@ class OffloadEngine:
         state.active = None
         state.group_open = False
         if state.hooks is not None:
+            _pop_hooks(state.hooks)
             state.hooks = None
-            torch._C._autograd._pop_saved_tensors_default_hooks()
         if exc_type is not None and self._offloader is not None:
             # The step is abandoned: drain copies, return every host block and source.
             self._offloader.reset()
