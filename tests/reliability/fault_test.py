@@ -454,8 +454,9 @@ def hf_interrupt_scenario(where: str):
         model.model.layers[2].mlp.register_forward_pre_hook(interrupt_forward)
         callbacks = [interrupter]
         offload_callback = None
+        settings = fresh_host_config(keep_last=1)
         if offload:
-            offload_callback = ActivationOffloadCallback(**fresh_host_config(keep_last=1))
+            offload_callback = ActivationOffloadCallback(**settings)
             callbacks.append(offload_callback)
         output_dir = tempfile.mkdtemp(prefix="ckpt_offload_rel_")
         trainer = Trainer(model=model, args=training_args(output_dir, max_steps=4),
@@ -469,8 +470,10 @@ def hf_interrupt_scenario(where: str):
         hooks_popped = not saved_tensor_hooks_active() and ckpt_offload.current_engine() is None
         gc.collect()
         live = 0
-        if offload_callback is not None and offload_callback.handle is not None:
-            live = offload_callback.handle.stats()["host_live_bytes"]
+        if offload:
+            # The pool of this thread's offloader for these settings, whatever the callback
+            # did with its handle (a failed train() uninstalls it).
+            live = ckpt_offload.offload_activations(**settings).stats()["host_live_bytes"]
         first_losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
         trainer.train()  # the next steps: a fresh train() on the interrupted model
         losses = [e["loss"] for e in trainer.state.log_history if "loss" in e]
