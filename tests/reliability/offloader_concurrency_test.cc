@@ -22,12 +22,14 @@
 #include "torch_plugin/csrc/tensor_offloader.h"
 
 // TSan reads these from the binary itself. libc10 is not built with TSan, so the atomic
-// refcount drop that frees a TensorImpl/StorageImpl inside it is invisible, and TSan
-// reports the free as racing with our (instrumented) release of the last weak reference to
-// the same object. Only frees inside libc10 are suppressed; races in our code still report.
+// refcount drop that frees a TensorImpl/StorageImpl (or a storage's data, when the last
+// c10::Storage handle goes: the offloader holds sources by storage) inside it is invisible,
+// and TSan reports the free as racing with the copy that read the memory before another
+// thread's release. Only frees inside libc10 are suppressed; races in our code still report.
 extern "C" const char* __tsan_default_suppressions() {
   return "race:c10::TensorImpl::~TensorImpl\n"
-         "race:c10::StorageImpl::~StorageImpl\n";
+         "race:c10::StorageImpl::~StorageImpl\n"
+         "race:c10::intrusive_ptr<c10::StorageImpl*>::release_resources_and_decrement_weakrefs_\n";
 }
 
 namespace ckpt_offload::torch_plugin {
