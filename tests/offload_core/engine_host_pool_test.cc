@@ -123,7 +123,9 @@ TEST(EngineHostPool, VariableLengthStepsReachTheBackendOnlyForNewLongestLengths)
     t.RunStep(/*layers=*/12, StepBytes(seq), static_cast<uint32_t>(step));
     const EngineStats stats = t.engine().stats();
     SCOPED_TRACE(absl::StrCat("step ", step, " seq ", seq));
-    if (seq <= longest) EXPECT_EQ(stats.arena.backend_allocations, before);
+    if (seq <= longest) {
+      EXPECT_EQ(stats.arena.backend_allocations, before);
+    }
     longest = std::max(longest, seq);
     EXPECT_EQ(stats.arena.live_bytes, 0u);
     EXPECT_EQ(stats.arena.retiring_bytes, 0u);
