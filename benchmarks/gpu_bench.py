@@ -200,6 +200,7 @@ def run_mode(model, shape, seqs: List[int], mode: Mode, warmup: int,
         token_sets = [torch.randint(0, cfg["vocab_size"], (1, s), generator=generator)
                       for s in seqs]
         times, peaks, losses, per_step_stats = [], [], [], []
+        pinned_per_step = []  # the host pool's cumulative pinned allocations, every step
         pinned_before_timed = None
         # The physical side: what the caching allocator holds, from an empty cache on.
         gc.collect()
@@ -227,6 +228,7 @@ def run_mode(model, shape, seqs: List[int], mode: Mode, warmup: int,
             peak = torch.cuda.max_memory_allocated() - before
             step_stats = mode.stats()
             if step_stats:
+                pinned_per_step.append(step_stats.get("pinned_allocations", 0))
                 # The run's host peak includes the warm-up step: the pool was sized for it.
                 host_peak = max(host_peak, step_stats.get("host_peak_bytes", 0))
             if index >= warmup:
@@ -238,7 +240,9 @@ def run_mode(model, shape, seqs: List[int], mode: Mode, warmup: int,
         reserved_peak = max(reserved_peak, torch.cuda.max_memory_reserved())
         result = dict(mode=mode.name, step_ms=statistics.median(times),
                       step_ms_all=times, act_peak_gib=max(peaks) / GIB, losses=losses,
-                      reserved_peak_gib=reserved_peak / GIB)
+                      reserved_peak_gib=reserved_peak / GIB, seqs=seqs)
+        if pinned_per_step:
+            result["pinned_allocations_per_step"] = pinned_per_step
         stats = per_step_stats[-1] if per_step_stats else {}
         if stats:
             hidden_bytes = seqs[-1] * cfg["hidden_size"] * 2
@@ -348,6 +352,10 @@ def main(argv=None):
                              "the same for every mode of a config)")
     parser.add_argument("--var_steps", type=int, default=20)
     parser.add_argument("--var_range", default="16384:32768")
+    parser.add_argument("--var_first", choices=("longest", "random"), default="longest",
+                        help="variable length: the warm-up step at the range's top, or drawn "
+                             "like the rest (the host pool then meets new longest lengths "
+                             "after warm-up)")
     parser.add_argument("--memory_plot_config", default="",
                         help="SHAPE:SEQ whose last step's allocator history is recorded")
     parser.add_argument("--out", default="benchmarks/results")
@@ -364,8 +372,11 @@ def main(argv=None):
         if seq == "var":
             low, high = (int(v) for v in args.var_range.split(":"))
             generator = torch.Generator().manual_seed(7)
-            seqs = [high] + [int(torch.randint(low, high + 1, (1,), generator=generator))
-                             for _ in range(args.var_steps - 1)]
+            drawn = [int(torch.randint(low, high + 1, (1,), generator=generator))
+                     for _ in range(args.var_steps - 1)]
+            first = high if args.var_first == "longest" else int(
+                torch.randint(low, high + 1, (1,), generator=generator))
+            seqs = [first] + drawn
             warmup = 1
             model = build_model(shape, max(seqs))
         else:
