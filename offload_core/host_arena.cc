@@ -477,7 +477,12 @@ struct HostArena::Impl {
     if (bytes > stats.reserved_bytes) {
       size_t slab_bytes = 0;
       const size_t missing = bytes - stats.reserved_bytes;
-      if (!RoundUpChecked(missing, kHostBlockAlignment, &slab_bytes)) slab_bytes = missing;
+      if (!RoundUpChecked(missing, kHostBlockAlignment, &slab_bytes)) {
+        // Larger than any address space once aligned: no backend could serve it.
+        return absl::ResourceExhaustedError(
+            absl::StrCat("HostArena::Reserve: ", bytes, " bytes need a slab of ", missing,
+                         " bytes, which cannot be aligned to ", kHostBlockAlignment));
+      }
       size_t rounded = slab_bytes;
       if (RoundUpChecked(missing, options.slab_granularity, &rounded) &&
           rounded <= Headroom(stats.reserved_bytes)) {

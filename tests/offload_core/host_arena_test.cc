@@ -673,6 +673,17 @@ TEST(HostArenaCap, RequestLargerThanAnyAddressIsRefusedNotWrapped) {
   EXPECT_EQ(t.arena->stats().cap_rejections, 1);
 }
 
+TEST(HostArenaCap, ReserveLargerThanAnyAddressIsRefusedNotWrapped) {
+  TestArena t(ArenaOptions{}, /*real_memory=*/false);
+  for (size_t bytes : {SIZE_MAX, SIZE_MAX - 10}) {
+    absl::Status refused = t.arena->Reserve(bytes);
+    EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << bytes;
+  }
+  EXPECT_EQ(t.arena->stats().reserved_bytes, 0u);
+  EXPECT_EQ(t.arena->stats().backend_allocations, 0);
+  EXPECT_EQ(t.arena->stats().reserve_calls, 0);
+}
+
 TEST(HostArenaCap, FreeSlabsAreReleasedWhenThatMakesRoom) {
   TestArena t(CapOptions(64 * kMiB), /*real_memory=*/false);
   HostBlock small = AllocateOrDie(*t.arena, kMiB);  // a 16 MiB shared slab
