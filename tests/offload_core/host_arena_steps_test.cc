@@ -471,17 +471,22 @@ void Print(const EntryMix& mix, const NamedLengths& lengths, const TraceReport& 
       static_cast<double>(report.peak_live) / kMiB);
 }
 
+// Runs `mix` over every length sequence with default options, checking and printing each.
+void ExpectNeverStallsOverEveryLengthSequence(const EntryMix& mix) {
+  for (const NamedLengths& lengths : AllLengthSequences()) {
+    TraceOptions options;
+    TraceRunner runner(mix, options);
+    const TraceReport report = runner.Run(lengths.lengths);
+    ExpectNeverStalls(mix, lengths, report);
+    Print(mix, lengths, report);
+  }
+}
+
 TEST(HostArenaSteps, LlamaShapedStepsNeverStallAfterTheirLength) {
   for (int overlap : {0, 1, 2}) {
     for (int side_steps : {0, 2}) {
       const EntryMix mix = LlamaMix(32, 4096.0 * 2 / 8, overlap, side_steps);  // 8B at 1/8 size
-      for (const NamedLengths& lengths : AllLengthSequences()) {
-        TraceOptions options;
-        TraceRunner runner(mix, options);
-        const TraceReport report = runner.Run(lengths.lengths);
-        ExpectNeverStalls(mix, lengths, report);
-        Print(mix, lengths, report);
-      }
+      ExpectNeverStallsOverEveryLengthSequence(mix);
     }
   }
 }
@@ -489,26 +494,14 @@ TEST(HostArenaSteps, LlamaShapedStepsNeverStallAfterTheirLength) {
 TEST(HostArenaSteps, StraddlingSizesNeverStallAfterTheirLength) {
   for (int overlap : {0, 1}) {
     const EntryMix mix = StraddlingMix(overlap);
-    for (const NamedLengths& lengths : AllLengthSequences()) {
-      TraceOptions options;
-      TraceRunner runner(mix, options);
-      const TraceReport report = runner.Run(lengths.lengths);
-      ExpectNeverStalls(mix, lengths, report);
-      Print(mix, lengths, report);
-    }
+    ExpectNeverStallsOverEveryLengthSequence(mix);
   }
 }
 
 TEST(HostArenaSteps, RandomMixesNeverStallAfterTheirLength) {
   for (uint64_t seed = 1; seed <= 12; ++seed) {
     const EntryMix mix = RandomMix(seed);
-    for (const NamedLengths& lengths : AllLengthSequences()) {
-      TraceOptions options;
-      TraceRunner runner(mix, options);
-      const TraceReport report = runner.Run(lengths.lengths);
-      ExpectNeverStalls(mix, lengths, report);
-      Print(mix, lengths, report);
-    }
+    ExpectNeverStallsOverEveryLengthSequence(mix);
   }
 }
 
