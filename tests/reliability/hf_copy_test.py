@@ -14,7 +14,7 @@ import torch
 
 from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload, installations
 from hf_tiny import TokenDataset, batch, tiny_llama, training_args
-from reliability_util import fresh_host_config
+from reliability_util import ckpt_offload_objects, fresh_host_config
 
 LAYERS = 4
 
@@ -33,17 +33,6 @@ def assert_identical(a, b):
     assert a[1].keys() == b[1].keys() and len(a[1]) > 0
     for name in a[1]:
         assert torch.equal(a[1][name], b[1][name]), name
-
-
-def ckpt_offload_objects(model):
-    """Objects of ckpt_offload anywhere on the model (forward, checkpoint functions, hooks)."""
-    found = []
-    for module in model.modules():
-        values = [module.__dict__.get("forward"),
-                  module.__dict__.get("_gradient_checkpointing_func"),
-                  *module._forward_hooks.values()]
-        found += [v for v in values if type(v).__module__.startswith("ckpt_offload")]
-    return found
 
 
 def lora_llama():

@@ -14,7 +14,7 @@ import ckpt_offload
 from ckpt_offload.hf import (ActivationOffloadCallback, disable_activation_offload,
                              enable_activation_offload)
 from hf_tiny import TokenDataset, batch, tiny_llama, training_args
-from reliability_util import fresh_host_config, saved_tensor_hooks_active
+from reliability_util import ckpt_offload_objects, fresh_host_config, saved_tensor_hooks_active
 
 def snapshot(model):
     """Every module's own attributes by identity (hooks, checkpoint functions, forward,
@@ -234,17 +234,6 @@ def make_trainer(model, tmp_path, callbacks=(), registration="callbacks", first=
     return trainer
 
 
-def ours(model):
-    """ckpt_offload objects anywhere on the model (forward, checkpoint functions, hooks)."""
-    found = []
-    for module in model.modules():
-        values = [module.__dict__.get("forward"),
-                  module.__dict__.get("_gradient_checkpointing_func"),
-                  *module._forward_hooks.values()]
-        found += [v for v in values if type(v).__module__.startswith("ckpt_offload")]
-    return found
-
-
 # Where train() raises, and how the offload callback was registered.
 FAILURES = [("layer forward", "callbacks"), ("layer forward", "attach"), ("backward", "attach"),
             ("on_step_end", "callbacks"), ("on_train_begin", "callbacks")]
@@ -263,7 +252,7 @@ def test_failed_train_uninstalls_and_leaves_the_model_as_before(tmp_path, where,
         trainer.train()
 
     assert caught.value is fault.raised  # the exception itself, unchanged
-    assert callback.handle is None and ours(model) == []
+    assert callback.handle is None and ckpt_offload_objects(model) == []
     # An exception inside a non-reentrant checkpoint leaves torch's checkpoint generator
     # (and its saved-tensor hooks) open until the traceback goes, with or without offload.
     del caught
@@ -296,7 +285,7 @@ def fail_then_retry(tmp_path, registration=None, checkpointing_by_trainer=True):
         failing.train()
     fault.raised = None  # the traceback holds torch's open checkpoint (see above)
     gc.collect()
-    left = ours(model)
+    left = ckpt_offload_objects(model)
     retry = [ActivationOffloadCallback(**fresh_host_config())] if registration else []
     trainer = make_trainer(model, tmp_path / "retry", retry, **settings)
     with warnings.catch_warnings(record=True) as caught:
@@ -326,7 +315,7 @@ def test_retry_with_a_new_callback_after_a_failed_train(tmp_path, registration,
     for name, param in model.named_parameters():
         assert torch.equal(param, dict(plain_model.named_parameters())[name]), name
     assert retry[0].final_totals["offloaded_tensors"] == 4 * 4
-    assert ours(model) == []
+    assert ckpt_offload_objects(model) == []
     if not checkpointing_by_trainer:
         # The Trainer left checkpointing alone (the model has it on): exactly as before.
         assert_untouched(model, (before[0], snapshot(model)[1]))
@@ -343,7 +332,7 @@ def test_lost_handle_is_uninstalled_from_the_model():
     model = tiny_llama()
     before = snapshot(model)
     enable_activation_offload(model, **fresh_host_config())  # the handle is dropped
-    assert len(ours(model)) > 0
+    assert len(ckpt_offload_objects(model)) > 0
     assert disable_activation_offload(model) == 1
     assert disable_activation_offload(model) == 0
     assert_untouched(model, before)

@@ -131,3 +131,14 @@ def rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         resident_pages = int(f.read().split()[1])
     return resident_pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def ckpt_offload_objects(model) -> list:
+    """Objects of ckpt_offload anywhere on the model (forward, checkpoint functions, hooks)."""
+    found = []
+    for module in model.modules():
+        values = [module.__dict__.get("forward"),
+                  module.__dict__.get("_gradient_checkpointing_func"),
+                  *module._forward_hooks.values()]
+        found += [v for v in values if type(v).__module__.startswith("ckpt_offload")]
+    return found
