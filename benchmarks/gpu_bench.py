@@ -116,7 +116,7 @@ def peer_modes(model_holder) -> List[Mode]:
     """Peers' offload contexts, when their code is importable here.
 
     Each is loaded from its module file (CKPT_OFFLOAD_PEERS_DIR, filled by
-    scripts/gpu_peers.sh from the peers' PyPI wheels, or an installed package) without the
+    tools/gpu_peers.sh from the peers' PyPI wheels, or an installed package) without the
     package's __init__, which pulls in much more (and axolotl pins a newer torch):
     - TRL's activation offloading (trl/models/activation_offloading.py);
     - axolotl's hidden-states offload for non-reentrant checkpointing, what

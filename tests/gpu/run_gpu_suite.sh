@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite, run on the GPU machine (which has no Bazel) from the repository root:
 #   bash tests/gpu/run_gpu_suite.sh OUT_DIR
-# Expects what scripts/gpu_prepare.sh made here: .gpu_deps/ (abseil for the pip build) and
+# Expects what tools/gpu_prepare.sh made here: .gpu_deps/ (abseil for the pip build) and
 # .gpu_bin/ (gtest binaries built with Bazel). Logs go to OUT_DIR; exit status is the
 # number of failed parts.
 set -uo pipefail

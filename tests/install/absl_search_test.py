@@ -46,7 +46,7 @@ def clean_env(tmp_path, *tools, **extra):
 
 
 def prefix_copy(tmp_path, with_pc=True, with_cmake=False):
-    """Debian's abseil copied to a prefix: with .pc files the way scripts/gpu_deps.sh makes
+    """Debian's abseil copied to a prefix: with .pc files the way tools/gpu_deps.sh makes
     them (lib/), or with Debian's CMake files as they are (lib/x86_64-linux-gnu/, the
     layout those files expect)."""
     prefix = tmp_path / ("absl_cmake" if with_cmake else "absl")

@@ -1,5 +1,5 @@
 """`pip wheel --no-build-isolation` builds ckpt_offload._C and ckpt_offload._plan from the same
-sources as Bazel, against abseil in a prefix of its own (the copy scripts/gpu_deps.sh makes,
+sources as Bazel, against abseil in a prefix of its own (the copy tools/gpu_deps.sh makes,
 found through CKPT_OFFLOAD_ABSL_PREFIX: the search and RPATH path, not the system's), and
 the wheel works in a fresh venv that has only torch and what torch requires."""
 
@@ -43,14 +43,14 @@ def workspace_root():
 
 
 def gpu_deps_script(root):
-    """scripts/gpu_deps.sh from the runfiles, else from the source tree this test lives in
-    (tests/torch_plugin/BUILD does not list it as data yet)."""
+    """tools/gpu_deps.sh from the runfiles (tests/torch_plugin/BUILD lists it), else from
+    the source tree this test lives in."""
     for base in (root, os.path.dirname(os.path.dirname(os.path.dirname(
             os.path.realpath(__file__))))):
-        path = os.path.join(base, "scripts", "gpu_deps.sh")
+        path = os.path.join(base, "tools", "gpu_deps.sh")
         if os.path.isfile(path):
             return path
-    raise AssertionError("scripts/gpu_deps.sh not found")
+    raise AssertionError("tools/gpu_deps.sh not found")
 
 
 def torch_closure():

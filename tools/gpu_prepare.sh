@@ -5,7 +5,7 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-bash scripts/gpu_deps.sh
+bash tools/gpu_deps.sh
 source scripts/env.sh
 targets=(//tests/gpu:cuda_device_test //tests/torch_plugin:session_test)
 bazel build -c opt "${targets[@]}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: the GPU suite and/or benchmarks, logs packed into $OUT/gpu_logs.tgz
 # (the device tool returns at most 8 files). Usage on the GPU machine, from the repo root:
-#   CKPT_OFFLOAD_COMMIT=<hash> bash scripts/gpu_call.sh "suite" "bench:<gpu_bench args>" ...
+#   CKPT_OFFLOAD_COMMIT=<hash> bash tools/gpu_call.sh "suite" "bench:<gpu_bench args>" ...
 # Jobs: suite | pytest:<args> | py:<args> (python3 <args> from tests/) | bench:<args> |
 #       packbench:<source tree of the base to compare with>
 set -uo pipefail
