@@ -13,6 +13,8 @@
 #include "offload_core/engine.h"
 
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -21,10 +23,52 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "offload_core/engine_states.h"
 #include "offload_core/status_macros.h"
 
 namespace ckpt_offload {
+namespace engine_internal {
+
+const char* StateName(EntryState state) {
+  switch (state) {
+    case EntryState::kNew: return "kNew";
+    case EntryState::kPending: return "kPending";
+    case EntryState::kOffloading: return "kOffloading";
+    case EntryState::kOffloaded: return "kOffloaded";
+    case EntryState::kRestoring: return "kRestoring";
+    case EntryState::kHandedOut: return "kHandedOut";
+    case EntryState::kResident: return "kResident";
+    case EntryState::kReclaimed: return "kReclaimed";
+    case EntryState::kDiscardedCopying: return "kDiscardedCopying";
+    case EntryState::kDiscardedReclaimed: return "kDiscardedReclaimed";
+    case EntryState::kGone: return "kGone";
+  }
+  return "?";
+}
+
+const char* StateName(GroupState state) {
+  switch (state) {
+    case GroupState::kNew: return "kNew";
+    case GroupState::kInWindow: return "kInWindow";
+    case GroupState::kKept: return "kKept";
+    case GroupState::kCopyStarted: return "kCopyStarted";
+    case GroupState::kCopying: return "kCopying";
+    case GroupState::kGone: return "kGone";
+  }
+  return "?";
+}
+
+void FailTransition(const char* kind, const char* from, const char* to) {
+  std::fprintf(stderr, "OffloadEngine: illegal %s transition %s -> %s\n", kind, from, to);
+  std::abort();
+}
+
+}  // namespace engine_internal
+
 namespace {
+
+using engine_internal::EntryState;
+using engine_internal::GroupState;
 
 // Device events are recycled: creating and destroying one per use would double the device
 // calls on the per-tensor paths (and cudaEventCreate/cudaEventDestroy are not free).
@@ -72,31 +116,19 @@ class SharedEvent {
 };
 using EventPtr = std::shared_ptr<SharedEvent>;
 
-enum class EntryState {
-  kPending,    // offered; its group's D2H has not started
-  kResident,   // stays on the device for good (last keep_last groups, or fallback)
-  kOffloading, // D2H issued, not yet known complete
-  kOffloaded,  // D2H complete, source released; the host block holds the data
-};
-
 struct Entry {
   GroupId group = 0;
   const void* source = nullptr;
   size_t bytes = 0;
-  EntryState state = EntryState::kPending;
-  bool source_held = true;     // counted in device_held_bytes until released
-  HostBlock host;
-  void* restore = nullptr;     // issued restore buffer not yet acquired
-  bool restore_was_prefetch = false;
-  bool restored_once = false;  // handed out at least once (a retained graph may ask again)
-  bool reclaimed = false;      // kept for backward while its D2H was still reading it
-  bool discarded = false;      // the caller's handle is gone; kept only while a copy runs
+  EntryState state = EntryState::kNew;  // changed only by Impl::SetState
+  HostBlock host;              // kOffloading .. kHandedOut
+  void* restore = nullptr;     // kRestoring: the buffer its H2D writes
 };
 
 struct Group {
   std::vector<EntryId> entries;
   bool eager = false;  // BeginEagerGroup: outside the keep_last window, counted apart
-  bool offload_started = false;
+  GroupState state = GroupState::kNew;  // changed only by Impl::SetGroupState
   EventPtr d2h_done;  // recorded on the D2H stream after this group's copies
   EventPtr h2d_done;  // recorded on the H2D stream after this group's last restore
 };
@@ -193,10 +225,28 @@ struct OffloadEngine::Impl {
   }
   void SubHeld(size_t bytes) { counters.device_held_bytes -= bytes; }
 
-  void ReleaseSourceOf(EntryId id, Entry& entry) {
-    if (!entry.source_held) return;
-    entry.source_held = false;
-    if (entry.state != EntryState::kResident) SubHeld(entry.bytes);
+  // The one place an entry's state changes: checks the change against the table (debug
+  // builds) and keeps device_held_bytes in step with the states that hold device memory.
+  // `to` == kGone erases the entry (and `entry` with it).
+  void SetState(EntryId id, Entry& entry, EntryState to) {
+    engine_internal::CheckTransition(entry.state, to);
+    const bool held_before = engine_internal::HoldsDeviceBytes(entry.state);
+    const bool held_after = engine_internal::HoldsDeviceBytes(to);
+    if (held_after && !held_before) AddHeld(entry.bytes);
+    if (held_before && !held_after) SubHeld(entry.bytes);
+    entry.state = to;
+    if (to == EntryState::kGone) EraseEntry(id);
+  }
+
+  // The one place a group's state changes. `pending` and `d2h_inflight` keep the order of
+  // kInWindow and kCopying groups; membership is the state.
+  void SetGroupState(Group& group, GroupState to) {
+    engine_internal::CheckTransition(group.state, to);
+    group.state = to;
+  }
+
+  // Hands the source back to the caller; `entry` just left a state that held it.
+  void ReleaseSourceOf(EntryId id, const Entry& entry) {
     device->OnDeviceSourceReleased(entry.source, entry.bytes);
     client->ReleaseSource(id);
   }
@@ -216,8 +266,7 @@ struct OffloadEngine::Impl {
   absl::Status IssueD2H(EntryId id, Entry& entry) {
     absl::StatusOr<HostBlock> block = arena.Allocate(entry.bytes);
     if (!block.ok()) {
-      entry.state = EntryState::kResident;
-      SubHeld(entry.bytes);
+      SetState(id, entry, EntryState::kResident);
       if (groups.at(entry.group).eager) {
         counters.eager_cap_fallbacks++;
       } else {
@@ -231,12 +280,11 @@ struct OffloadEngine::Impl {
       // Nothing was queued: the block goes straight back and the entry stays on the
       // device, so an engine that is not Reset still hands out intact data.
       FreeHostBlock(*block);
-      entry.state = EntryState::kResident;
-      SubHeld(entry.bytes);
+      SetState(id, entry, EntryState::kResident);
       return copied;
     }
     entry.host = *block;
-    entry.state = EntryState::kOffloading;
+    SetState(id, entry, EntryState::kOffloading);
     if (groups.at(entry.group).eager) {
       counters.eager_offloaded_tensors++;
       counters.eager_offloaded_bytes += entry.bytes;
@@ -252,7 +300,8 @@ struct OffloadEngine::Impl {
       CKPT_ASSIGN_OR_RETURN(group.d2h_done, NewEvent());
     }
     CKPT_RETURN_IF_ERROR(Record(group.d2h_done, device->d2h_stream()));
-    if (std::find(d2h_inflight.begin(), d2h_inflight.end(), gid) == d2h_inflight.end()) {
+    if (group.state != GroupState::kCopying) {
+      SetGroupState(group, GroupState::kCopying);
       d2h_inflight.push_back(gid);
     }
     return absl::OkStatus();
@@ -267,14 +316,14 @@ struct OffloadEngine::Impl {
       }
       size_t before = d2h_inflight.size();
       CKPT_RETURN_IF_ERROR(Poll());
-      if (d2h_inflight.size() == before) d2h_inflight.pop_front();  // nothing to wait on
+      if (d2h_inflight.size() == before) PopInflight();  // nothing to wait on
     }
     return absl::OkStatus();
   }
 
   absl::Status StartOffload(GroupId gid, StreamHandle compute) {
     Group& group = groups.at(gid);
-    group.offload_started = true;
+    SetGroupState(group, GroupState::kCopyStarted);
     bool any = false;
     for (EntryId id : group.entries) {
       if (entries.at(id).state == EntryState::kPending) any = true;
@@ -291,8 +340,7 @@ struct OffloadEngine::Impl {
       if (!issued.ok()) {
         // After a failure the rest stay on the device: the group has left `pending`, so
         // nothing else would ever move them out of kPending.
-        entry.state = EntryState::kResident;
-        SubHeld(entry.bytes);
+        SetState(id, entry, EntryState::kResident);
         continue;
       }
       issued = IssueD2H(id, entry);
@@ -308,7 +356,7 @@ struct OffloadEngine::Impl {
   void LeaveBackward() {
     if (!in_backward) return;
     in_backward = false;
-    pending.clear();
+    KeepWindowResident();
     EraseEmptyGroups();
   }
 
@@ -322,11 +370,24 @@ struct OffloadEngine::Impl {
     return absl::OkStatus();
   }
 
+  // The window's groups leave it without copying: the forward ended.
+  void KeepWindowResident() {
+    for (GroupId gid : pending) SetGroupState(groups.at(gid), GroupState::kKept);
+    pending.clear();
+  }
+
+  // The oldest kCopying group is no longer counted in flight.
+  void PopInflight() {
+    auto it = groups.find(d2h_inflight.front());
+    if (it != groups.end()) SetGroupState(it->second, GroupState::kCopyStarted);
+    d2h_inflight.pop_front();
+  }
+
   // An entry of `group` is offloaded and has never been restored.
   bool WaitsForRestore(const Group& group) const {
     for (EntryId id : group.entries) {
-      const Entry& entry = entries.at(id);
-      if (!entry.discarded && NeedsRestore(entry) && !entry.restored_once) return true;
+      const EntryState state = entries.at(id).state;
+      if (state == EntryState::kOffloading || state == EntryState::kOffloaded) return true;
     }
     return false;
   }
@@ -339,12 +400,11 @@ struct OffloadEngine::Impl {
       for (EntryId id : groups.at(gid).entries) {
         Entry& entry = entries.at(id);
         if (entry.state != EntryState::kPending) continue;
-        entry.state = EntryState::kResident;
-        SubHeld(entry.bytes);
+        SetState(id, entry, EntryState::kResident);
         counters.kept_resident_tensors++;
       }
     }
-    pending.clear();
+    KeepWindowResident();
   }
 
   // A group whose completion record failed (RecordD2HDone returned an error after its copies
@@ -357,9 +417,7 @@ struct OffloadEngine::Impl {
       copying = copying || entries.at(id).state == EntryState::kOffloading;
     }
     if (!copying) return absl::OkStatus();
-    if (std::find(d2h_inflight.begin(), d2h_inflight.end(), gid) != d2h_inflight.end()) {
-      return absl::OkStatus();
-    }
+    if (group.state == GroupState::kCopying) return absl::OkStatus();
     return RecordD2HDone(gid, group);
   }
 
@@ -369,12 +427,8 @@ struct OffloadEngine::Impl {
   void ReclaimHeldSources(Group& group) {
     for (EntryId id : group.entries) {
       Entry& entry = entries.at(id);
-      if (entry.state != EntryState::kOffloading || !entry.source_held || entry.discarded) {
-        continue;
-      }
-      entry.state = EntryState::kResident;
-      entry.reclaimed = true;
-      SubHeld(entry.bytes);
+      if (entry.state != EntryState::kOffloading) continue;
+      SetState(id, entry, EntryState::kReclaimed);
       if (!group.eager) counters.reclaimed_tensors++;
       if (entry.host) {
         deferred_frees.push_back({entry.host, {group.d2h_done}});
@@ -395,25 +449,21 @@ struct OffloadEngine::Impl {
     return Poll();
   }
 
-  static bool NeedsRestore(const Entry& entry) {
-    return (entry.state == EntryState::kOffloading || entry.state == EntryState::kOffloaded) &&
-           entry.restore == nullptr;
-  }
-
   // Issues H2D for the entries of `gid` that need it, or for `only` (a retained graph's
   // second restore of one entry).
   absl::Status IssueRestore(GroupId gid, StreamHandle compute, bool prefetch,
                             EntryId only = 0) {
     Group& group = groups.at(gid);
     CKPT_RETURN_IF_ERROR(TrackUntrackedD2H(gid, group));
-    ReclaimHeldSources(group);
+    ReclaimHeldSources(group);  // no entry of `group` is kOffloading after this
     std::vector<EntryId> todo;
     for (EntryId id : group.entries) {
-      const Entry& entry = entries.at(id);
+      const EntryState state = entries.at(id).state;
       if (only != 0 && id != only) continue;
-      if (entry.discarded || !NeedsRestore(entry)) continue;
-      if (only == 0 && entry.restored_once) continue;  // a retained graph asks per entry
-      todo.push_back(id);
+      // A retained graph asks again per entry (kHandedOut), never for the whole group.
+      if (state == EntryState::kOffloaded || (only != 0 && state == EntryState::kHandedOut)) {
+        todo.push_back(id);
+      }
     }
     if (todo.empty()) return absl::OkStatus();
     const StreamHandle h2d = device->h2d_stream();
@@ -439,8 +489,7 @@ struct OffloadEngine::Impl {
         break;
       }
       entry.restore = *buffer;
-      entry.restore_was_prefetch = prefetch;
-      AddHeld(entry.bytes);
+      SetState(id, entry, EntryState::kRestoring);
       any_issued = true;
       if (group.eager) {
         counters.eager_restored_tensors++;
@@ -468,8 +517,7 @@ struct OffloadEngine::Impl {
       const bool waiting = WaitsForRestore(it->second);
       bool issued = false;  // already prefetched, not yet acquired
       for (EntryId id : it->second.entries) {
-        const Entry& entry = entries.at(id);
-        if (!entry.discarded && entry.restore != nullptr) issued = true;
+        if (entries.at(id).state == EntryState::kRestoring) issued = true;
       }
       if (!waiting && !issued) continue;
       counted++;
@@ -483,11 +531,8 @@ struct OffloadEngine::Impl {
   // Prefetch's scan below each acquired group would keep growing.
   void EraseEmptyGroups() {
     for (auto it = groups.begin(); it != groups.end();) {
-      const bool in_flight =
-          std::find(d2h_inflight.begin(), d2h_inflight.end(), it->first) != d2h_inflight.end();
-      const bool is_pending =
-          std::find(pending.begin(), pending.end(), it->first) != pending.end();
-      if (it->second.entries.empty() && !in_flight && !is_pending) {
+      if (it->second.entries.empty() && MayErase(it->second)) {
+        SetGroupState(it->second, GroupState::kGone);
         it = groups.erase(it);
       } else {
         ++it;
@@ -495,14 +540,19 @@ struct OffloadEngine::Impl {
     }
   }
 
+  // Neither in the keep_last window nor counted in flight.
+  static bool MayErase(const Group& group) {
+    return group.state == GroupState::kKept || group.state == GroupState::kCopyStarted;
+  }
+
   void MaybeEraseGroup(GroupId gid) {
     auto it = groups.find(gid);
     if (it == groups.end() || !it->second.entries.empty()) return;
-    if (std::find(pending.begin(), pending.end(), gid) != pending.end()) return;
-    if (std::find(d2h_inflight.begin(), d2h_inflight.end(), gid) != d2h_inflight.end()) return;
+    if (!MayErase(it->second)) return;
     // The forward's newest group may still be receiving entries (keep_last 0 offloads each
     // entry as it is offered; a refused one is discarded at once).
     if (!in_backward && gid == next_group - 1) return;
+    SetGroupState(it->second, GroupState::kGone);
     groups.erase(it);
   }
 
@@ -535,17 +585,17 @@ struct OffloadEngine::Impl {
         std::vector<EntryId> finished = git->second.entries;
         for (EntryId id : finished) {
           Entry& entry = entries.at(id);
-          if (entry.state != EntryState::kOffloading) continue;
-          entry.state = EntryState::kOffloaded;
-          ReleaseSourceOf(id, entry);
-          if (entry.discarded) {
+          if (entry.state == EntryState::kOffloading) {
+            SetState(id, entry, EntryState::kOffloaded);
+            ReleaseSourceOf(id, entry);
+          } else if (entry.state == EntryState::kDiscardedCopying) {
+            ReleaseSourceOf(id, entry);
             deferred_frees.push_back({entry.host, {git->second.h2d_done}});
-            entry.host = HostBlock{};
-            EraseEntry(id);
+            SetState(id, entry, EntryState::kGone);
           }
         }
       }
-      d2h_inflight.pop_front();
+      PopInflight();
       MaybeEraseGroup(gid);
     }
     for (size_t i = 0; i < deferred_frees.size();) {
@@ -569,9 +619,9 @@ struct OffloadEngine::Impl {
         continue;
       }
       const EntryId id = deferred_releases[i].first;
-      SubHeld(entries.at(id).bytes);  // held again since Discard (ReleaseSourceOf skips it)
-      ReleaseSourceOf(id, entries.at(id));
-      EraseEntry(id);
+      Entry& entry = entries.at(id);
+      ReleaseSourceOf(id, entry);
+      SetState(id, entry, EntryState::kGone);
       deferred_releases[i] = std::move(deferred_releases.back());
       deferred_releases.pop_back();
     }
@@ -677,8 +727,9 @@ absl::StatusOr<GroupId> OffloadEngine::BeginGroup(StreamHandle compute) {
   Group& group = s.groups[gid];
   s.counters.groups++;
   if (s.options.keep_last == 0) {
-    group.offload_started = true;  // each entry is copied as it is offered
+    s.SetGroupState(group, GroupState::kCopyStarted);  // each entry copies as it is offered
   } else {
+    s.SetGroupState(group, GroupState::kInWindow);
     s.pending.push_back(gid);
   }
   return gid;
@@ -692,7 +743,7 @@ absl::StatusOr<GroupId> OffloadEngine::BeginEagerGroup() {
   GroupId gid = s.next_group++;
   Group& group = s.groups[gid];
   group.eager = true;
-  group.offload_started = true;  // each entry is copied as it is offered
+  s.SetGroupState(group, GroupState::kCopyStarted);  // each entry copies as it is offered
   return gid;
 }
 
@@ -746,36 +797,32 @@ absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
   entry.source = device_src;
   entry.bytes = bytes;
   git->second.entries.push_back(id);
-  const bool group_pending =
-      std::find(s.pending.begin(), s.pending.end(), gid) != s.pending.end();
+  const GroupState group_state = git->second.state;
   if (bytes == 0) {
     // Nothing to move; a host block of zero bytes would only cost an allocation.
-    entry.state = EntryState::kResident;
+    s.SetState(id, entry, EntryState::kResident);
     return Offer{id, false};
   }
-  if (!git->second.offload_started && !group_pending) {
+  if (group_state == GroupState::kKept) {
     // The group's forward already ended (backward started): nothing to overlap with.
-    entry.state = EntryState::kResident;
+    s.SetState(id, entry, EntryState::kResident);
     s.counters.kept_resident_tensors++;
     return Offer{id, false};
   }
-  s.AddHeld(bytes);
-  if (!git->second.offload_started) return Offer{id, true};
+  s.SetState(id, entry, EntryState::kPending);
+  if (group_state == GroupState::kInWindow) return Offer{id, true};
 
   // keep_last == 0 (or a late entry): offload right away. A group already copying does
   // not add to the in-flight group count, so only a new one waits for the bound; waiting on
   // its own earlier entries would stall the host once per tensor.
-  const bool group_in_flight =
-      std::find(s.d2h_inflight.begin(), s.d2h_inflight.end(), gid) != s.d2h_inflight.end();
-  absl::Status status = group_in_flight ? absl::OkStatus() : s.BoundInflight();
+  absl::Status status =
+      group_state == GroupState::kCopying ? absl::OkStatus() : s.BoundInflight();
   if (status.ok()) status = s.StreamAfterCompute(s.device->d2h_stream(), compute);
   if (status.ok()) status = s.IssueD2H(id, s.entries.at(id));
   if (!status.ok()) {
     // No copy of this entry is queued (IssueD2H undoes a failed one). The caller never
     // learns its id and keeps its memory, so the engine forgets the entry.
-    Entry& failed = s.entries.at(id);
-    if (failed.state == EntryState::kPending) s.SubHeld(failed.bytes);
-    s.EraseEntry(id);
+    s.SetState(id, s.entries.at(id), EntryState::kGone);
     return status;
   }
   if (s.entries.at(id).state == EntryState::kResident) return Offer{id, false};
@@ -788,7 +835,7 @@ absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
   auto it = s.entries.find(id);
-  if (it == s.entries.end() || it->second.discarded) {
+  if (it == s.entries.end() || engine_internal::IsDiscarded(it->second.state)) {
     if (id > 0 && id < s.reset_watermark) {
       return absl::FailedPreconditionError(absl::StrCat(
           "saved tensor ", id, " was dropped when the offload engine was reset (the step "
@@ -806,11 +853,13 @@ absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
   if (entry.state == EntryState::kPending) {
     return absl::InternalError(absl::StrCat("entry ", id, " still pending in backward"));
   }
-  if (entry.state != EntryState::kResident && entry.restore == nullptr) {
+  if (entry.state == EntryState::kOffloading || entry.state == EntryState::kOffloaded ||
+      entry.state == EntryState::kHandedOut) {
     CKPT_RETURN_IF_ERROR(s.IssueRestore(gid, compute, /*prefetch=*/false,
-                                        entry.restored_once ? id : 0));
+                                        entry.state == EntryState::kHandedOut ? id : 0));
   }
-  const bool resident = s.entries.at(id).state == EntryState::kResident;
+  const EntryState state = s.entries.at(id).state;
+  const bool resident = state == EntryState::kResident || state == EntryState::kReclaimed;
   // Prefetch before the hand-over: its H2D copies queue behind this group's anyway, and a
   // failure here must not lose a buffer already handed out (the engine would forget it,
   // the caller would never receive it).
@@ -828,8 +877,7 @@ absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
   Entry& acquired = s.entries.at(id);
   Acquired result{false, acquired.restore};
   acquired.restore = nullptr;
-  acquired.restored_once = true;
-  s.SubHeld(acquired.bytes);
+  s.SetState(id, acquired, EntryState::kHandedOut);
   return result;
 }
 
@@ -837,45 +885,49 @@ bool OffloadEngine::Discard(EntryId id) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
   auto it = s.entries.find(id);
-  if (it == s.entries.end() || it->second.discarded) return false;
+  if (it == s.entries.end() || engine_internal::IsDiscarded(it->second.state)) return false;
   s.Poll().IgnoreError();
   it = s.entries.find(id);
   if (it == s.entries.end()) return false;
   Entry& entry = it->second;
   Group& group = s.groups.at(entry.group);
-  entry.discarded = true;
-  if (entry.restore != nullptr) {
-    s.deferred_drops.push_back({id, entry.restore, entry.bytes, group.h2d_done});
-    entry.restore = nullptr;
-  }
   switch (entry.state) {
     case EntryState::kPending:
       // The caller dropped the source itself; nothing was copied.
-      entry.source_held = false;
-      s.SubHeld(entry.bytes);
-      s.EraseEntry(id);
+      s.SetState(id, entry, EntryState::kGone);
       return false;
-    case EntryState::kResident: {
+    case EntryState::kResident:
+    case EntryState::kReclaimed: {
       auto done = s.Done(group.d2h_done);
-      if (entry.reclaimed && !(done.ok() && *done)) {
+      if (entry.state == EntryState::kReclaimed && !(done.ok() && *done)) {
         // The caller let go but the copy still reads the source: the engine alone holds it.
-        s.AddHeld(entry.bytes);
+        s.SetState(id, entry, EntryState::kDiscardedReclaimed);
         s.deferred_releases.push_back({id, group.d2h_done});
         return true;
       }
-      entry.source_held = false;
-      s.EraseEntry(id);
+      s.SetState(id, entry, EntryState::kGone);
       return false;
     }
     case EntryState::kOffloading:
       // The copy still reads the source and writes the host block: Poll finishes this.
+      s.SetState(id, entry, EntryState::kDiscardedCopying);
       return true;
+    case EntryState::kRestoring:
+      // The buffer's bytes stay counted until its deferred drop (not the entry's now).
+      s.deferred_drops.push_back({id, entry.restore, entry.bytes, group.h2d_done});
+      s.counters.device_held_bytes += entry.bytes;
+      [[fallthrough]];
     case EntryState::kOffloaded:
+    case EntryState::kHandedOut:
       s.deferred_frees.push_back({entry.host, {group.h2d_done}});
-      entry.host = HostBlock{};
-      s.EraseEntry(id);
+      s.SetState(id, entry, EntryState::kGone);
       s.Poll().IgnoreError();
       return false;
+    case EntryState::kNew:
+    case EntryState::kDiscardedCopying:
+    case EntryState::kDiscardedReclaimed:
+    case EntryState::kGone:
+      break;
   }
   return false;
 }
@@ -884,13 +936,13 @@ absl::Status OffloadEngine::Reset() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
   absl::Status status = s.SynchronizeLocked();
+  // Every entry and group is dropped whatever its state (outside the transition table).
   for (auto& [id, entry] : s.entries) {
-    if (entry.restore != nullptr) {
+    if (entry.state == EntryState::kRestoring) {
       s.DropRestore({id, entry.restore, entry.bytes, nullptr});
-      entry.restore = nullptr;
     }
     // Discarded entries whose copy was in flight included: the caller still holds them.
-    s.ReleaseSourceOf(id, entry);
+    if (engine_internal::HoldsSource(entry.state)) s.ReleaseSourceOf(id, entry);
     if (entry.host) s.FreeHostBlock(entry.host);
   }
   for (const auto& free : s.deferred_frees) s.FreeHostBlock(free.block);
@@ -936,4 +988,22 @@ absl::Status OffloadEngine::ReserveHost(size_t bytes) { return impl_->arena.Rese
 HostArena& OffloadEngine::arena() { return impl_->arena; }
 Device& OffloadEngine::device() { return *impl_->device; }
 
+namespace engine_internal {
+
+std::optional<EntryState> EngineTestPeer::StateOf(const OffloadEngine& engine, EntryId entry) {
+  std::lock_guard<std::mutex> lock(engine.impl_->mu);
+  auto it = engine.impl_->entries.find(entry);
+  if (it == engine.impl_->entries.end()) return std::nullopt;
+  return it->second.state;
+}
+
+std::optional<GroupState> EngineTestPeer::GroupStateOf(const OffloadEngine& engine,
+                                                       GroupId group) {
+  std::lock_guard<std::mutex> lock(engine.impl_->mu);
+  auto it = engine.impl_->groups.find(group);
+  if (it == engine.impl_->groups.end()) return std::nullopt;
+  return it->second.state;
+}
+
+}  // namespace engine_internal
 }  // namespace ckpt_offload

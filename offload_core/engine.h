@@ -49,6 +49,40 @@
 //   eager groups as groups.
 // - After Reset, or after every entry was discarded, arena live bytes are 0.
 //
+// States (engine_states.h). Each entry and each group has one state; every change goes
+// through one function per kind that checks it against this table (debug builds abort on
+// any other change, naming both states) and keeps device_held_bytes in step: an entry in
+// Pending, Offloading, DiscardedCopying, DiscardedReclaimed or Restoring counts its bytes.
+// Reset drops every entry and group whatever its state.
+//
+//   entry from          event                                      to
+//   New                 OfferEntry (copy to come)                  Pending
+//   New                 OfferEntry (0 bytes, group Kept)           Resident
+//   Pending             D2H issued                                 Offloading
+//   Pending             arena refused / copy failed / forward end  Resident
+//   Pending             Discard, or OfferEntry failed              Gone
+//   Offloading          D2H complete (source released)             Offloaded
+//   Offloading          backward needs it first                    Reclaimed
+//   Offloading          Discard                                    DiscardedCopying
+//   DiscardedCopying    D2H complete (source released)             Gone
+//   Offloaded/HandedOut H2D issued                                 Restoring
+//   Restoring           Acquire hands the buffer out               HandedOut
+//   Offloaded/HandedOut Discard                                    Gone
+//   Restoring           Discard (buffer dropped once copied)       Gone
+//   Resident            Discard, or OfferEntry failed              Gone
+//   Reclaimed           Discard, its D2H complete                  Gone
+//   Reclaimed           Discard, its D2H still running             DiscardedReclaimed
+//   DiscardedReclaimed  D2H complete (source released)             Gone
+//
+//   group from          event                                      to
+//   New                 BeginGroup (keep_last > 0)                 InWindow
+//   New                 BeginGroup (keep_last 0), BeginEagerGroup  CopyStarted
+//   InWindow            leaves the window / OffloadPendingGroups   CopyStarted
+//   InWindow            forward ends                               Kept
+//   CopyStarted         D2H copies recorded                        Copying
+//   Copying             copies complete (or nothing to wait on)    CopyStarted
+//   CopyStarted/Kept    last entry gone                            Gone
+//
 // Thread-safety: every method may be called from any thread. Client callbacks are invoked
 // with the engine's lock held and must not call back into the engine.
 #ifndef CKPT_OFFLOAD_OFFLOAD_CORE_ENGINE_H_
@@ -67,6 +101,10 @@ namespace ckpt_offload {
 
 using GroupId = int64_t;
 using EntryId = int64_t;
+
+namespace engine_internal {
+struct EngineTestPeer;  // engine_states.h: tests read entry and group states
+}  // namespace engine_internal
 
 struct EngineOptions {
   int keep_last = 1;       // groups kept resident at the end of forward
@@ -187,6 +225,7 @@ class OffloadEngine {
   Device& device();
 
  private:
+  friend struct engine_internal::EngineTestPeer;
   OffloadEngine();
   struct Impl;
   std::unique_ptr<Impl> impl_;
