@@ -23,7 +23,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -403,7 +403,8 @@ def main(argv=None):
             try:
                 result = run_mode(model, shape, seqs, mode, warmup, history)
             except Exception as error:  # noqa: BLE001 - one mode failing must not lose the rest
-                result = dict(mode=mode.name, error=f"{type(error).__name__}: {error}".splitlines()[0])
+                message = f"{type(error).__name__}: {error}".splitlines()[0]
+                result = dict(mode=mode.name, error=message)
                 gc.collect()
                 torch.cuda.empty_cache()
             result.update(model=shape, seq=seq)

@@ -23,7 +23,6 @@ import os
 import shutil
 import statistics
 import sys
-import time
 
 import torch
 
@@ -166,7 +165,8 @@ def main(argv=None):
         for name, summary in report["modes"].items():
             print(f"{name}: span {summary['step_span_ms']:.1f} ms "
                   f"({summary['step_span_ms'] - base['step_span_ms']:+.1f}), busy "
-                  f"{summary['compute_busy_ms']:.1f} ({summary['compute_busy_ms'] - base['compute_busy_ms']:+.1f}), "
+                  f"{summary['compute_busy_ms']:.1f} "
+                  f"({summary['compute_busy_ms'] - base['compute_busy_ms']:+.1f}), "
                   f"idle {summary['compute_idle_gaps_ms']:.1f} "
                   f"(fwd {summary['idle_forward_ms']:.1f}, bwd {summary['idle_backward_ms']:.1f}), "
                   f"timed {summary['timed_median_ms']:.1f} ms", flush=True)

@@ -238,7 +238,8 @@ def main() -> int:
     parser.add_argument("--mode", required=True,
                         choices=("ddp_trainer", "fsdp2_loop", "deepspeed_trainer", "trainer"))
     parser.add_argument("--result", required=True, help="JSON report (written by rank 0)")
-    parser.add_argument("--workdir", default=None, help="Trainer output dirs (default: beside --result)")
+    parser.add_argument("--workdir", default=None,
+                        help="Trainer output dirs (default: beside --result)")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--zero-stage", type=int, default=3, choices=(2, 3))
     args = parser.parse_args()

@@ -71,7 +71,6 @@ PATTERNS = [full_backward, no_backward, no_backward, no_backward, logged_only,
 
 
 def main() -> int:
-    import ckpt_offload
     from ckpt_offload.hf import enable_activation_offload
 
     gib = float(1 << 30)
@@ -104,7 +103,8 @@ def main() -> int:
             delta = after - baseline
             ok = delta <= TOLERANCE and host_live == 0
             failures += not ok
-            print(f"{step:4d}  {pattern.__name__:22s}  {torch.cuda.max_memory_allocated() / gib:8.3f}"
+            peak = torch.cuda.max_memory_allocated() / gib
+            print(f"{step:4d}  {pattern.__name__:22s}  {peak:8.3f}"
                   f"  {after / gib:9.3f}  {delta / 2**20:9.1f}  {host_live / 2**20:13.1f}"
                   f"{'' if ok else '  LEAK'}")
         if handle is not None:

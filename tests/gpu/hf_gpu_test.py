@@ -4,7 +4,6 @@ the GPU (tag gpu): losses identical with and without the callback, activation pe
     python -m pytest -s tests/gpu/hf_gpu_test.py
 """
 
-import os
 import tempfile
 
 import pytest

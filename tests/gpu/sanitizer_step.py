@@ -22,7 +22,7 @@ def main():
     torch.backends.cuda.enable_mem_efficient_sdp(False)
     model = make_llama_stack(layers=3, hidden=128, heads=4, ffn=256, dtype=torch.bfloat16).cuda()
     x = torch.randn(1, 128, 128, device="cuda", dtype=torch.bfloat16)
-    loss = model(x, lambda l, h: torch.utils.checkpoint.checkpoint(l, h, use_reentrant=False))
+    loss = model(x, lambda f, h: torch.utils.checkpoint.checkpoint(f, h, use_reentrant=False))
     loss.backward()
     reference = (loss.detach(), grads(model))
     model.zero_grad(set_to_none=True)

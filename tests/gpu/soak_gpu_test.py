@@ -81,7 +81,7 @@ def test_soak_losses_identical_and_memory_flat():
         if step % 50 == 49:
             with torch.no_grad():  # an evaluation: nothing is saved, nothing offloaded
                 x = torch.randn(1, MAX_SEQ // 2, 1024, device="cuda", dtype=torch.bfloat16)
-                model(x, lambda l, h: l(h))
+                model(x, lambda layer, h: layer(h))
                 del x
         torch.cuda.synchronize()
         engine.synchronize()

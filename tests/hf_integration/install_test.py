@@ -292,7 +292,8 @@ def test_installing_twice_is_an_error_until_disabled():
     from peft import LoraConfig, get_peft_model
 
     with pytest.raises(RuntimeError, match="already installed"):
-        enable_activation_offload(get_peft_model(model, LoraConfig(r=4, target_modules="all-linear")))
+        peft_model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+        enable_activation_offload(peft_model)
     first.disable()
 
 

@@ -10,7 +10,6 @@ saved tensor); it is emulated with host copies outside torch's allocator (numpy)
 where its pinned copies live on a GPU machine.
 """
 
-import numpy as np
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model

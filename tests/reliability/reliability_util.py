@@ -1,9 +1,10 @@
 """Shared helpers of the reliability tests (CPU, host backend).
 
 Offloaders are shared by every engine with the same settings in a thread (ckpt_offload.engine
-caches them by config, per thread), so a test that needs a fresh one (an empty host arena, a fallback warning
-not given yet) asks fresh_host_config() for a min_offload_bytes value no other test used:
-every saved tensor of these tests is far larger, so the value changes nothing else.
+caches them by config, per thread), so a test that needs a fresh one (an empty host arena, a
+fallback warning not given yet) asks fresh_host_config() for a min_offload_bytes value no
+other test used: every saved tensor of these tests is far larger, so the value changes nothing
+else.
 """
 
 from __future__ import annotations

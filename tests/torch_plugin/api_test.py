@@ -280,7 +280,8 @@ def test_exception_in_backward_leaves_nothing_behind():
 
     with pytest.raises(Boom):
         with ckpt_offload.offload_activations(keep_last=1, **HOST) as engine:
-            loss = model(x, lambda layer, h: ckpt_offload.checkpoint(layer, FailInBackward.apply(h)))
+            loss = model(
+                x, lambda layer, h: ckpt_offload.checkpoint(layer, FailInBackward.apply(h)))
             loss.backward()
     del loss
     gc.collect()

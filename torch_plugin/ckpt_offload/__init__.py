@@ -14,9 +14,9 @@ import pkgutil
 # ckpt_offload.hf and ckpt_offload.axolotl live in hf_integration/ in the source tree.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-import torch  # noqa: E402  (loads libtorch before the extension)
+import torch  # noqa: E402, F401  (loads libtorch before the extension)
 
-from ckpt_offload import _C  # noqa: E402
+from ckpt_offload import _C  # noqa: E402, F401
 from ckpt_offload.config import (  # noqa: E402
     BACKENDS, SCOPES, OffloadConfig, parse_host_memory_limit)
 from ckpt_offload.engine import (  # noqa: E402
