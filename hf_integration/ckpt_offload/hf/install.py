@@ -46,10 +46,12 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 import ckpt_offload
 from ckpt_offload import STAT_KEYS, OffloadConfig
 from ckpt_offload.config import make_config
+from ckpt_offload.hf.compile import CompiledRegions, backend_of, enclosing_compiled_module
 
 logger = logging.getLogger("ckpt_offload.hf")
 
 _MISSING = object()
+_told_regional = False  # the regional-compile notice is logged once per process
 
 # Attributes that gradient checkpointing sets on modules; saved before and restored after.
 _CHECKPOINTING_ATTRS = (
@@ -78,8 +80,8 @@ _HF_OFFLOAD_CHECKPOINT = "gradient_checkpointing_enable.<locals>.checkpoint_func
 _REQUIRE_GRADS_HOOK_NAMES = ("make_inputs_require_grads", "make_inputs_require_grad")
 
 
-def enable_activation_offload(model: nn.Module, config: Optional[OffloadConfig] = None,
-                              **overrides) -> "OffloadHandle":
+def enable_activation_offload(model: nn.Module, config: Optional[OffloadConfig] = None, *,
+                              compile: Any = None, **overrides) -> "OffloadHandle":
     """Offloads the checkpointed layers' inputs of `model` (this instance only).
 
         handle = enable_activation_offload(model, keep_last=1)
@@ -94,8 +96,12 @@ def enable_activation_offload(model: nn.Module, config: Optional[OffloadConfig] 
     Overrides are OffloadConfig fields. Raises ValueError (naming the field) for bad
     settings and for a model without any transformers GradientCheckpointingLayer, and
     RuntimeError when ckpt_offload is already installed on the model; nothing is changed then.
+
+    `compile`: True, or a dict of torch.compile options, compiles the model region by region
+    (see ckpt_offload.hf.compile); disable() undoes it. `torch.compile(model)` of an
+    offloaded model gets the same regional compile, with the options it was given.
     """
-    return OffloadHandle(model, make_config(config, **overrides))
+    return OffloadHandle(model, make_config(config, **overrides), compile=compile)
 
 
 def installations(model: nn.Module) -> List["OffloadHandle"]:
@@ -134,7 +140,9 @@ class OffloadHandle:
     """
 
     def __init__(self, model: nn.Module, config: OffloadConfig, *, owner: Any = None,
-                 replace: Optional[Callable[["OffloadHandle"], bool]] = None):
+                 replace: Optional[Callable[["OffloadHandle"], bool]] = None,
+                 compile: Any = None):
+        compile_options = _compile_options(compile)
         layers = checkpointing_layers(model)
         if not layers:
             raise ValueError(
@@ -170,12 +178,15 @@ class OffloadHandle:
         # (embedding module, hook id) -> the require-grads hook function swapped out.
         self._swapped_hooks: Dict[tuple, Callable] = {}
         self._installed = False
+        self.regions: Optional[CompiledRegions] = None
         self._step_open = False
         self._latest: Dict[str, float] = {key: 0 for key in STAT_KEYS}
         self._totals: Dict[str, float] = {}
         self._micro_steps = 0
         try:
             self._install()
+            if compile_options is not None:
+                self.regions = CompiledRegions(model, compile_options)
         except BaseException:
             self.disable()
             raise
@@ -269,6 +280,9 @@ class OffloadHandle:
         Idempotent. Figures stay readable through stats() and totals()."""
         if self._step_open:
             self._harvest(synchronize=True)
+        if self.regions is not None:
+            self.regions.remove()
+            self.regions = None
         forward = self.model.__dict__.get("forward")
         if isinstance(forward, _OffloadingForward) and forward.handle is self:
             if self._saved_forward is _MISSING:
@@ -308,6 +322,28 @@ class OffloadHandle:
     def __exit__(self, *exc) -> bool:
         self.disable()
         return False
+
+    def _compile_like_enclosing(self) -> None:
+        """Under torch.compile(model): compiles this model's regions with that compile's
+        backend, mode and options, once, and says so once."""
+        optimized = enclosing_compiled_module()
+        if optimized is None:
+            return
+        backend = backend_of(optimized)
+        self.regions = CompiledRegions(self.model, {} if backend is None else
+                                       {"backend": backend})
+        global _told_regional
+        if not _told_regional:
+            _told_regional = True
+            logger.warning(
+                "ckpt_offload.hf: torch.compile(model) with activation offload compiles the "
+                "model region by region: %d checkpointed layers, the norms outside them and "
+                "the loss function, with the same backend and options; the offload boundary "
+                "between layers runs eagerly (one whole-model graph would need every "
+                "offloaded input back at once, and would break at every layer). Nothing to "
+                "do; to choose the options yourself, pass "
+                "enable_activation_offload(model, compile={...}) and skip torch.compile.",
+                sum(isinstance(m, GradientCheckpointingLayer) for m in self.regions.modules))
 
     # Figures.
 
@@ -408,6 +444,18 @@ class _RequireGradWithoutLeaf:
 
     def __deepcopy__(self, memo):
         return _deepcopy_reduced(self, memo)
+
+
+def _compile_options(value: Any) -> Optional[Dict[str, Any]]:
+    """enable_activation_offload's `compile`: None/False (off), True or torch.compile kwargs."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return {}
+    if isinstance(value, dict):
+        return dict(value)
+    raise ValueError(f"compile: expected True, False, None or a dict of torch.compile "
+                     f"options, got {type(value).__name__} {value!r}")
 
 
 def _accumulate(totals: Dict[str, float], step: Dict[str, float]) -> None:
@@ -518,8 +566,14 @@ class _OffloadingForward:
         # original's (the Trainer reads it to drop dataset columns).
         functools.update_wrapper(self, original)
 
+    # Never traced: a compiled region cannot contain the offload boundary (see
+    # ckpt_offload.hf.compile). Under torch.compile(model) this frame is skipped without a
+    # graph break, and the model's regions are compiled instead.
+    @torch._dynamo.disable
     def __call__(self, *args, **kwargs):
         handle = self.handle
+        if handle.regions is None:
+            handle._compile_like_enclosing()
         # Only training forwards are engine steps: without grad nothing is saved, and in
         # eval mode GradientCheckpointingLayer does not checkpoint. A context the user
         # entered around the call is theirs to keep.

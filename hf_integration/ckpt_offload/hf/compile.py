@@ -1,0 +1,144 @@
+"""torch.compile for models whose checkpointed layers are offloaded: region by region.
+
+Offload works at the boundary of each checkpointed layer: autograd saves the layer's
+inputs there during forward and asks for them one layer at a time during backward. A model
+compiled as one graph has no such boundary: the compiled function saves everything at the
+end of its forward and needs all of it back at the start of its backward, and tracing into
+the offload's hooks breaks the graph at every layer. So a model with ckpt_offload is
+compiled as regions:
+
+- each checkpointed layer, inside its checkpoint (the forward and its recompute run the
+  same compiled code);
+- the normalization modules outside the layers (the final norm);
+- the model's `loss_function` (upcast, shift and cross-entropy become one kernel, as in a
+  whole-model compile; the logits are a model output and materialized either way);
+
+while the checkpoint-and-offload boundary between them runs eagerly. Losses and gradients
+are bit-identical to the same regional compile without offload (`compile_regions` alone).
+
+Copies: layers are compiled in place (`nn.Module.compile`), which torch drops from deep
+copies and pickles; the compiled loss function copies and pickles as the function it wraps.
+"""
+
+from __future__ import annotations
+
+import operator
+import sys
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+_MISSING = object()
+_NORM_SUFFIXES = ("Norm", "RMSNorm", "LayerNorm")
+
+
+class CompiledRegions:
+    """The regions of one model compiled by `compile_regions`; `remove()` undoes it.
+
+    Modules a user compiled already (`module.compile()`) are left as they are, and stay
+    compiled after remove()."""
+
+    def __init__(self, model: nn.Module, options: Dict[str, Any]):
+        self.options = dict(options)
+        self.modules: List[nn.Module] = []
+        # (PreTrainedModel, its `_loss_function` before, or _MISSING)
+        self._losses: List[tuple] = []
+        try:
+            for module in region_modules(model):
+                if module._compiled_call_impl is None:
+                    module.compile(**self.options)
+                    self.modules.append(module)
+            for owner in model.modules():
+                if isinstance(owner, PreTrainedModel) and not isinstance(
+                        owner.__dict__.get("_loss_function"), CompiledLoss):
+                    before = owner.__dict__.get("_loss_function", _MISSING)
+                    owner.loss_function = CompiledLoss(owner.loss_function, self.options)
+                    self._losses.append((owner, before))
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        """Puts back what was compiled here (idempotent)."""
+        for module in self.modules:
+            module._compiled_call_impl = None
+        self.modules.clear()
+        for owner, before in self._losses:
+            if isinstance(owner.__dict__.get("_loss_function"), CompiledLoss):
+                if before is _MISSING:
+                    del owner.__dict__["_loss_function"]
+                else:
+                    owner.__dict__["_loss_function"] = before
+        self._losses.clear()
+
+
+def compile_regions(model: nn.Module, **options) -> CompiledRegions:
+    """Compiles `model`'s regions in place with torch.compile `options` (backend, mode,
+    dynamic, options, ...): its checkpointed layers, the norms outside them and its loss
+    function. The same compile that ckpt_offload applies under offload, without offload:
+    the reference for comparing losses and gradients bit for bit."""
+    return CompiledRegions(model, options)
+
+
+def region_modules(model: nn.Module) -> List[nn.Module]:
+    """Checkpointed layers (transformers GradientCheckpointingLayer), then normalization
+    modules that are not inside one."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    inside = {id(sub) for layer in layers for sub in layer.modules()}
+    norms = [m for m in model.modules()
+             if id(m) not in inside and not any(True for _ in m.children())
+             and type(m).__name__.endswith(_NORM_SUFFIXES)]
+    return layers + norms
+
+
+class CompiledLoss:
+    """A model's `loss_function`, compiled. Deep copies and pickles as the function itself."""
+
+    def __init__(self, function: Callable, options: Dict[str, Any]):
+        self.function = function
+        self.compiled = torch.compile(function, **options)
+
+    def __call__(self, *args, **kwargs):
+        return self.compiled(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        # itemgetter(0)((f,)) is f: a standard-library callable stands in for this class.
+        return operator.itemgetter(0), ((self.function,),)
+
+
+def backend_of(optimized: Any) -> Optional[Any]:
+    """The compiler torch.compile gave `optimized` (an OptimizedModule): its backend with
+    the mode and options it was called with, usable as `torch.compile(backend=...)`."""
+    backend = getattr(getattr(optimized, "dynamo_ctx", None), "callback", None)
+    while hasattr(backend, "_torchdynamo_orig_backend"):
+        backend = backend._torchdynamo_orig_backend
+    return backend if callable(backend) else None
+
+
+def enclosing_compiled_module(max_frames: int = 24) -> Optional[Any]:
+    """The torch.compile'd module (OptimizedModule) whose call is running this one, from
+    the call stack, or None. Only nn.Module call frames are looked into."""
+    optimized_type = getattr(torch._dynamo.eval_frame, "OptimizedModule", None)
+    if optimized_type is None:
+        return None
+    frame = sys._getframe(2)
+    try:
+        for _ in range(max_frames):
+            if frame is None:
+                return None
+            if frame.f_code in _MODULE_CALL_CODES:
+                owner = frame.f_locals.get("self")
+                if isinstance(owner, optimized_type):
+                    return owner
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+_MODULE_CALL_CODES = tuple(
+    getattr(nn.Module, name).__code__ for name in ("_wrapped_call_impl", "_call_impl")
+    if hasattr(getattr(nn.Module, name, None), "__code__"))
