@@ -3,10 +3,13 @@ checkpointed layer, when it comes back, and that training stays bit-identical.""
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import ckpt_offload
-from models import LM_HIDDEN as HIDDEN, LM_SEQ as SEQ, LanguageModel, batch, grads
+from models import (LM_HIDDEN as HIDDEN, LM_SEQ as SEQ, LM_VOCAB, LanguageModel, batch, grads,
+                    make_llama_stack)
 
 # Layer inputs (2 x 48 x 64 bfloat16: 12 KiB) move; the norm's reciprocal roots, the loss and
 # the labels (< 1 KiB) are small: neither head tensors nor triggers.
@@ -146,3 +149,62 @@ def test_a_trainable_weights_transpose_is_a_trigger_not_a_head_tensor():
     assert stats["head_offloaded_tensors"] == 2
     # The norm's float32 input and the LM head's bfloat16 input; no 128 KiB transpose.
     assert stats["head_offloaded_bytes"] == 2 * 256 * HIDDEN * (4 + 2)
+
+
+class VisionLanguageModel(nn.Module):
+    """A vision tower before the language model: a checkpointed vision layer, then a
+    projector of three trainable linears that runs outside any checkpoint, saving five
+    hidden-state-sized tensors between the tower's group and the first language layer's,
+    followed by the LanguageModel's layers and head (its LM head trainable, so the head's
+    input is saved)."""
+
+    IMAGE_TOKENS = 32
+
+    def __init__(self):
+        super().__init__()
+        self.lm = LanguageModel()
+        self.lm.lm_head.weight.requires_grad_(True)
+        torch.manual_seed(5)
+        self.vision_layer = make_llama_stack(layers=1, hidden=HIDDEN, heads=4, ffn=128,
+                                             dtype=torch.bfloat16).layers[0]
+        self.projector = nn.Sequential(
+            nn.Linear(HIDDEN, HIDDEN), nn.GELU(), nn.Linear(HIDDEN, HIDDEN), nn.GELU(),
+            nn.Linear(HIDDEN, HIDDEN)).to(torch.bfloat16)
+
+    def forward(self, image, x, labels, layer_call):
+        vision = self.projector(layer_call(self.vision_layer, image))
+        h = torch.cat([vision, x], dim=1)
+        for layer in self.lm.stack.layers:
+            h = layer_call(layer, h)
+        logits = self.lm.lm_head(self.lm.norm(h)).float()
+        labels = torch.cat([torch.zeros_like(labels[:, :self.IMAGE_TOKENS]), labels], dim=1)
+        return F.cross_entropy(logits.view(-1, LM_VOCAB), labels.view(-1))
+
+
+def test_a_vision_towers_tensors_leave_the_language_models_head_its_budget():
+    # The projector's tensors come after a closed group, so they may be offloaded like head
+    # tensors, but the next group begins after them: they are not the head, and the LM
+    # head's input and the final norm's must still be offloaded after them.
+    model = VisionLanguageModel()
+    x, labels = batch()
+    image = torch.randn(2, model.IMAGE_TOKENS, HIDDEN,
+                        generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    results = []
+    for engine_kwargs in (None, dict(keep_last=1, **HOST)):
+        model.zero_grad(set_to_none=True)
+        if engine_kwargs is None:
+            model(image, x, labels, plain_ckpt).backward()
+            results.append(grads(model))
+            continue
+        with ckpt_offload.offload_activations(**engine_kwargs) as engine:
+            model(image, x, labels, ckpt_offload.checkpoint).backward()
+        results.append(grads(model))
+    for name in results[0]:
+        assert torch.equal(results[0][name], results[1][name]), name
+    stats = engine.stats()
+    tokens = model.IMAGE_TOKENS + SEQ
+    projector_bytes = 2 * model.IMAGE_TOKENS * HIDDEN * 2
+    # Four of the projector's five tensors (its window's budget), then the final norm's
+    # float32 input and the LM head's bfloat16 input, in a window of their own.
+    assert stats["head_offloaded_tensors"] == 4 + 2
+    assert stats["head_offloaded_bytes"] == 4 * projector_bytes + 2 * tokens * HIDDEN * (4 + 2)

@@ -51,6 +51,16 @@ std::string TypeName(at::ScalarType dtype, const at::Device& device) {
                       "Tensor");
 }
 
+// The engine's options for `config`: the one mapping from OffloaderConfig to EngineOptions.
+EngineOptions EngineOptionsFor(const OffloaderConfig& config) {
+  EngineOptions options;
+  options.keep_last = config.keep_last;
+  options.prefetch_depth = config.prefetch_depth;
+  options.max_inflight_d2h_groups = config.max_inflight_d2h_groups;
+  options.arena.byte_cap = config.host_memory_limit;
+  return options;
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------
@@ -106,6 +116,17 @@ OffloadedStorage::OffloadedStorage(std::shared_ptr<TensorOffloader> owner, Entry
       span_end_bytes_(span_end_bytes),
       device_(device) {}
 
+std::shared_ptr<OffloadedStorage> OffloadedStorage::HeadCandidate(
+    std::shared_ptr<TensorOffloader> owner, const c10::Storage& source,
+    int64_t span_begin_bytes, int64_t span_end_bytes, at::Device device) {
+  auto candidate = std::make_shared<OffloadedStorage>(std::move(owner), /*entry=*/0, source,
+                                                      span_begin_bytes, span_end_bytes,
+                                                      device);
+  candidate->held_ = source;
+  candidate->keep_restore_ = true;
+  return candidate;
+}
+
 OffloadedStorage::~OffloadedStorage() { owner_->Discard(entry_, key_); }
 
 c10::Storage OffloadedStorage::Restore(int64_t* span_begin_bytes) {
@@ -137,11 +158,7 @@ c10::Storage OffloadedStorage::Restore(int64_t* span_begin_bytes) {
 
 absl::StatusOr<std::shared_ptr<TensorOffloader>> TensorOffloader::Create(
     OffloaderConfig config) {
-  EngineOptions options;
-  options.keep_last = config.keep_last;
-  options.prefetch_depth = config.prefetch_depth;
-  options.max_inflight_d2h_groups = config.max_inflight_d2h_groups;
-  absl::Status valid = ValidateEngineOptions(options);
+  absl::Status valid = ValidateEngineOptions(EngineOptionsFor(config));
   if (!valid.ok()) return valid;
   if (config.min_offload_bytes < 0) {
     return absl::InvalidArgumentError(absl::StrCat("min_offload_bytes must be >= 0 (got ",
@@ -225,12 +242,7 @@ OffloadEngine* TensorOffloader::EngineFor(const at::Device& device) {
 #endif
   }
   if (!made.ok()) ThrowStatus("creating the device", made.status());
-  EngineOptions options;
-  options.keep_last = config_.keep_last;
-  options.prefetch_depth = config_.prefetch_depth;
-  options.max_inflight_d2h_groups = config_.max_inflight_d2h_groups;
-  options.arena.byte_cap = config_.host_memory_limit;
-  auto engine = OffloadEngine::Create(made->get(), this, options);
+  auto engine = OffloadEngine::Create(made->get(), this, EngineOptionsFor(config_));
   if (!engine.ok()) ThrowStatus("creating the engine", engine.status());
   device_ = std::move(*made);
   engine_ = std::move(*engine);
@@ -248,10 +260,7 @@ void TensorOffloader::BeginGroup(const std::vector<at::Tensor>& inputs) {
   }
   std::lock_guard<std::mutex> lock(engine_mu_);
   if (!forward_open_.exchange(true)) StartForwardLocked();
-  // A layer begins: the tensors saved since the last one were not the model's head. Those
-  // still waiting for a trigger stay where they are.
-  head_window_ = false;
-  head_pending_.clear();
+  head_.OnGroupBegin();
   group_open_ = false;
   const at::Tensor* first = nullptr;
   for (const at::Tensor& t : inputs) {
@@ -276,7 +285,7 @@ void TensorOffloader::EndGroup() {
     marked_.clear();
   }
   std::lock_guard<std::mutex> lock(engine_mu_);
-  if (group_open_) head_window_ = true;
+  if (group_open_) head_.OnGroupEnd();
   group_open_ = false;
   // keep_last == 0: the group's copies started as its tensors were packed.
   if (engine_) WarnOnFirstFallback(engine_.get());
@@ -343,7 +352,7 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
       return Skip(tensor);
     }
     entry = offer->entry;
-    if (group_open_) largest_group_entry_bytes_ = std::max(largest_group_entry_bytes_, end - begin);
+    if (group_open_) head_.NoteGroupEntry(end - begin);
   }
   auto holder = std::make_shared<OffloadedStorage>(shared_from_this(), entry, storage, begin,
                                                    end, tensor.device());
@@ -379,9 +388,7 @@ std::shared_ptr<PackedTensor> TensorOffloader::SharedView(const at::Tensor& tens
   auto it = by_storage_.find(tensor.storage().unsafeGetStorageImpl());
   if (it == by_storage_.end()) return nullptr;
   std::shared_ptr<OffloadedStorage> holder = it->second.lock();
-  if (!holder || begin < holder->span_begin_bytes_ || end > holder->span_end_bytes_) {
-    return nullptr;
-  }
+  if (!holder || !holder->Covers(begin, end)) return nullptr;
   shared_hits_.fetch_add(1, std::memory_order_relaxed);
   return MakePacked(tensor, begin, std::move(holder));
 }
@@ -433,17 +440,14 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
   std::shared_ptr<OffloadedStorage> candidate;
   {
     std::lock_guard<std::mutex> lock(engine_mu_);
-    if (!head_window_) return nullptr;
+    if (!head_.window_open()) return nullptr;
     // This tensor triggers the candidates before it: copy them out now; backward restores
     // them when it reaches this tensor, right before their own backward.
-    std::vector<std::shared_ptr<OffloadedStorage>> waiting;
-    for (const auto& weak : head_pending_) {
-      if (auto pending = weak.lock()) waiting.push_back(std::move(pending));
-    }
-    head_pending_.clear();
-    for (const auto& pending : waiting) {
-      const GroupId gid = OfferHeadLocked(*pending);
-      if (gid != 0) triggered->push_back(gid);
+    for (const auto& waiting : head_.TakeTriggered()) {
+      const GroupId gid = OfferHeadLocked(*waiting);
+      if (gid == 0) continue;
+      head_.NoteCandidateOffloaded();
+      triggered->push_back(gid);
     }
     if (!triggered->empty()) {
       // The trigger's backward will restore the head and, by prefetch, the groups below it:
@@ -452,20 +456,11 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
       if (!started.ok()) ThrowStatus("starting a checkpoint group's copies", started);
     }
     const auto [begin, end] = StorageSpan(tensor);
-    // Produced by autograd, and not a view of a leaf: a trainable weight's transpose
-    // (saved by a full fine-tune's LM head) lives on in its parameter, so copying it out
-    // would free nothing.
-    const bool activation =
-        !tensor.is_leaf() && !(tensor.is_view() && tensor._base().is_leaf());
-    if (may_offload && activation &&
-        head_entries_ + static_cast<int>(head_pending_.size()) < kMaxHeadEntries &&
-        end - begin <= 2 * largest_group_entry_bytes_ && IneligibleReason(tensor).empty()) {
-      candidate = std::make_shared<OffloadedStorage>(shared_from_this(), /*entry=*/0,
-                                                     tensor.storage(), begin, end,
-                                                     tensor.device());
-      candidate->held_ = tensor.storage();
-      candidate->keep_restore_ = true;
-      head_pending_.push_back(candidate);
+    if (may_offload && head_.MayBecomeCandidate(tensor, end - begin) &&
+        IneligibleReason(tensor).empty()) {
+      candidate = OffloadedStorage::HeadCandidate(shared_from_this(), tensor.storage(), begin,
+                                                  end, tensor.device());
+      head_.AddCandidate(candidate);
     }
   }
   if (candidate) {
@@ -477,76 +472,53 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
 
 void TensorOffloader::RegisterTrigger(const void* trigger_key, std::vector<GroupId> groups) {
   if (groups.empty()) return;
-  std::lock_guard<std::mutex> lock(tensors_mu_);
-  auto& registered = triggers_[trigger_key];
-  registered.insert(registered.end(), groups.begin(), groups.end());
-  trigger_count_.store(static_cast<int64_t>(triggers_.size()));
+  std::lock_guard<std::mutex> lock(engine_mu_);
+  head_.AddTrigger(trigger_key, std::move(groups));
 }
 
 GroupId TensorOffloader::OfferHeadLocked(OffloadedStorage& candidate) {
-  std::lock_guard<std::mutex> lock(candidate.mu_);
-  if (candidate.entry_ != 0 || !candidate.held_) return 0;
-  const c10::Storage source = candidate.held_;
-  OffloadEngine* engine = EngineFor(candidate.device_);
-  if (engine == nullptr) return 0;  // a second device: left alone
-  auto group = engine->BeginEagerGroup();
-  if (!group.ok()) ThrowStatus("starting a head group", group.status());
-  const StreamHandle compute = ComputeStream(candidate.device_);
-  const auto* base = static_cast<const char*>(source.data());
-  const int64_t bytes = candidate.span_end_bytes_ - candidate.span_begin_bytes_;
-  auto offer = engine->OfferEntry(*group, base + candidate.span_begin_bytes_,
-                                  static_cast<size_t>(bytes), compute);
-  if (!offer.ok()) ThrowStatus("offloading a head tensor", offer.status());
-  WarnOnFirstFallback(engine);
-  if (!offer->will_offload) {
-    engine->Discard(offer->entry);
-    return 0;  // the arena refused: it stays, held by the candidate
-  }
-  candidate.entry_ = offer->entry;
-  {
-    std::lock_guard<std::mutex> tensors_lock(tensors_mu_);
-    if (released_early_.erase(offer->entry) == 0) sources_.emplace(offer->entry, source);
-  }
-  candidate.held_ = c10::Storage();
-  head_entries_++;
-  return *group;
+  const at::Device device = candidate.device();
+  GroupId group_id = 0;
+  const EntryId entry = candidate.OfferHeld([&](const c10::Storage& source, int64_t begin,
+                                                int64_t end) -> EntryId {
+    OffloadEngine* engine = EngineFor(device);
+    if (engine == nullptr) return 0;  // a second device: left alone
+    auto group = engine->BeginEagerGroup();
+    if (!group.ok()) ThrowStatus("starting a head group", group.status());
+    const auto* base = static_cast<const char*>(source.data());
+    auto offer = engine->OfferEntry(*group, base + begin, static_cast<size_t>(end - begin),
+                                    ComputeStream(device));
+    if (!offer.ok()) ThrowStatus("offloading a head tensor", offer.status());
+    WarnOnFirstFallback(engine);
+    if (!offer->will_offload) {
+      engine->Discard(offer->entry);
+      return 0;  // the arena refused: it stays, held by the candidate
+    }
+    {
+      std::lock_guard<std::mutex> tensors_lock(tensors_mu_);
+      if (released_early_.erase(offer->entry) == 0) sources_.emplace(offer->entry, source);
+    }
+    group_id = *group;
+    return offer->entry;
+  });
+  return entry == 0 ? 0 : group_id;
 }
 
-void TensorOffloader::StartForwardLocked() {
-  head_window_ = false;
-  head_entries_ = 0;
-  largest_group_entry_bytes_ = 0;
-  head_pending_.clear();
-  std::lock_guard<std::mutex> lock(tensors_mu_);
-  triggers_.clear();
-  trigger_count_.store(0);
-}
+void TensorOffloader::StartForwardLocked() { head_.StartForward(); }
 
 void TensorOffloader::NoteUnpack(const void* trigger_key) {
   if (forward_open_.load(std::memory_order_acquire) && forward_open_.exchange(false)) {
     std::lock_guard<std::mutex> lock(engine_mu_);
-    head_window_ = false;
-    for (const auto& weak : head_pending_) {
-      if (!weak.expired()) head_kept_.fetch_add(1, std::memory_order_relaxed);
-    }
-    head_pending_.clear();
+    head_.OnBackwardBegin();
     if (engine_) {
       absl::Status ended = engine_->EndForward();
       if (!ended.ok()) ThrowStatus("ending the forward", ended);
     }
   }
-  if (trigger_count_.load(std::memory_order_acquire) == 0) return;
-  std::vector<GroupId> groups;
-  {
-    std::lock_guard<std::mutex> lock(tensors_mu_);
-    auto it = triggers_.find(trigger_key);
-    if (it == triggers_.end()) return;
-    groups = std::move(it->second);
-    triggers_.erase(it);
-    trigger_count_.store(static_cast<int64_t>(triggers_.size()));
-  }
+  if (!head_.MayHaveTriggers()) return;
   std::lock_guard<std::mutex> lock(engine_mu_);
-  if (!engine_) return;
+  const std::vector<GroupId> groups = head_.TakeTrigger(trigger_key);
+  if (groups.empty() || !engine_) return;
   for (GroupId gid : groups) {
     absl::Status status = engine_->PrefetchGroup(gid, ComputeStream(engine_device_));
     if (!status.ok()) ThrowStatus("restoring head tensors ahead", status);
@@ -560,7 +532,7 @@ at::Tensor TensorOffloader::UnpackKept(const KeptTensor& kept) {
 }
 
 at::Tensor TensorOffloader::Unpack(const PackedTensor& packed) {
-  packed.version.Verify(packed.sizes, packed.dtype, packed.storage->device_);
+  packed.version.Verify(packed.sizes, packed.dtype, packed.storage->device());
   NoteUnpack(packed.storage.get());
   int64_t span_begin = 0;
   c10::Storage storage = packed.storage->Restore(&span_begin);
@@ -648,11 +620,11 @@ OffloaderStats TensorOffloader::stats() const {
   {
     std::lock_guard<std::mutex> lock(engine_mu_);
     if (engine_) stats.engine = engine_->stats();
+    stats.head_kept_tensors = head_.kept_tensors();
   }
   stats.packed_tensors = packed_.load();
   stats.skipped_tensors = skipped_.load();
   stats.shared_storage_hits = shared_hits_.load();
-  stats.head_kept_tensors = head_kept_.load();
   return stats;
 }
 
@@ -662,7 +634,7 @@ void TensorOffloader::ResetStats() {
   packed_ = 0;
   skipped_ = 0;
   shared_hits_ = 0;
-  head_kept_ = 0;
+  head_.ResetStats();
 }
 
 bool TensorOffloader::has_engine() const {

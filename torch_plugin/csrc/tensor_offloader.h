@@ -12,16 +12,9 @@
 // - The first unpack after a forward (backward has begun, at the loss) ends the forward:
 //   OffloadEngine::EndForward keeps the last keep_last groups and waits for the forward's
 //   copies, so their device memory is free before the loss's backward allocates.
-// - Head (offload_head): tensors saved after a checkpoint group ended and before the next
-//   one began (the final norm, LM head and loss of a language model) that are produced by
-//   autograd (not leaves, nor views of leaves: no parameters or their transposes, labels or
-//   buffers), eligible, and at most twice
-//   the forward's largest checkpoint-input entry (hidden-state sized: the logits stay), at
-//   most kMaxHeadEntries per forward. Such a candidate is copied out only once a later
-//   saved tensor of at least min_offload_bytes (its *trigger*, on another storage) comes,
-//   and restored ahead of need when backward first unpacks that trigger: backward runs the
-//   head in reverse, so a candidate's own backward comes right after its trigger's. The
-//   last candidates, which nothing large follows, stay where they are. Once a trigger is
+// - Head (offload_head): which tensors saved outside checkpoint groups move, and when they
+//   come back, is HeadPolicy's (head_policy.h); this class hands its candidates to the
+//   engine as eager groups and restores them at their trigger's unpack. Once a trigger is
 //   set, the last keep_last groups are copied out too: the trigger's restore prefetches
 //   the groups below the head, so the LM head's backward hides their copies as well.
 // - A PackedTensor keeps its host copy alive (a retained graph can unpack it again) and
@@ -52,6 +45,7 @@
 
 #include "offload_core/device.h"
 #include "offload_core/engine.h"
+#include "torch_plugin/csrc/head_policy.h"
 
 namespace torch::autograd {
 struct Node;
@@ -72,10 +66,6 @@ struct OffloaderConfig {
   int max_inflight_d2h_groups = 2;
   bool offload_head = true;
 };
-
-// Head tensors offloaded per forward at most (they are few in a language model's head:
-// the final norm's input, the LM head's input).
-inline constexpr int kMaxHeadEntries = 4;
 
 class TensorOffloader;
 
@@ -108,12 +98,31 @@ class OffloadedStorage {
   OffloadedStorage(const OffloadedStorage&) = delete;
   OffloadedStorage& operator=(const OffloadedStorage&) = delete;
 
+  // A head candidate (HeadPolicy): holds `source` itself until OfferHeld hands it to the
+  // engine, and keeps its restore until the last saved handle dies.
+  static std::shared_ptr<OffloadedStorage> HeadCandidate(std::shared_ptr<TensorOffloader> owner,
+                                                         const c10::Storage& source,
+                                                         int64_t span_begin_bytes,
+                                                         int64_t span_end_bytes,
+                                                         at::Device device);
+
+  // A head candidate's one transition, held -> offered: `offer` hands the held storage's
+  // span to the engine and returns its entry, or 0 when the engine keeps nothing (the
+  // storage stays held). Returns that entry; 0 too when this is no longer held.
+  template <typename OfferFn>  // EntryId(const c10::Storage& source, int64_t begin, int64_t end)
+  EntryId OfferHeld(OfferFn offer);
+
   // The storage holding the span: the live source (kept resident) or a restored copy.
   // `span_begin_bytes` tells where the span starts inside it.
   c10::Storage Restore(int64_t* span_begin_bytes);
 
+  // Whether [begin, end) of the source storage lies within this span.
+  bool Covers(int64_t begin, int64_t end) const {
+    return begin >= span_begin_bytes_ && end <= span_end_bytes_;
+  }
+  const at::Device& device() const { return device_; }
+
  private:
-  friend class TensorOffloader;
   std::shared_ptr<TensorOffloader> owner_;
   EntryId entry_;
   // A weak reference keeps the StorageImpl's address from being reused while this lives,
@@ -133,6 +142,17 @@ class OffloadedStorage {
   bool keep_restore_ = false;
   c10::Storage kept_restore_;
 };
+
+template <typename OfferFn>
+EntryId OffloadedStorage::OfferHeld(OfferFn offer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (entry_ != 0 || !held_) return 0;
+  const EntryId entry = offer(held_, span_begin_bytes_, span_end_bytes_);
+  if (entry == 0) return 0;
+  entry_ = entry;
+  held_ = c10::Storage();
+  return entry;
+}
 
 // What Pack returns for an offloaded tensor.
 struct PackedTensor {
@@ -224,7 +244,7 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   void Discard(EntryId entry, const c10::StorageImpl* key);
   c10::Storage AcquireStorage(EntryId entry, const at::Device& device, bool* resident);
 
-  // Head (see the contract). PackUngrouped handles a tensor saved outside any group in
+  // Head (HeadPolicy decides). PackUngrouped handles a tensor saved outside any group in
   // scope kCheckpointInputs; OfferHeadLocked hands a candidate to the engine as an eager
   // group (0: it stays where it is). engine_mu_ held by the Locked ones. A kept trigger
   // is keyed by its KeptTensor's (or a foreign tensor's) TensorImpl, a packed one by its
@@ -262,12 +282,9 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   void WarnOnFirstFallback(OffloadEngine* engine);
 
   // The forward/backward turn and the head. forward_open_: a group began since the last
-  // forward's end (the first unpack after it). The rest is guarded by engine_mu_.
+  // forward's end (the first unpack after it). head_ is guarded by engine_mu_.
   std::atomic<bool> forward_open_{false};
-  bool head_window_ = false;  // a group ended in this forward and no group is open since
-  int head_entries_ = 0;      // head tensors offered in this forward
-  int64_t largest_group_entry_bytes_ = 0;
-  std::vector<std::weak_ptr<OffloadedStorage>> head_pending_;  // candidates without trigger
+  HeadPolicy head_;
 
   // Tensors owned on the engine's behalf (guarded by tensors_mu_; taken inside engine calls).
   std::mutex tensors_mu_;
@@ -277,15 +294,10 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   std::unordered_map<EntryId, at::Tensor> restores_;  // until acquired or dropped
   std::unordered_map<const c10::StorageImpl*, std::weak_ptr<OffloadedStorage>> by_storage_;
   std::unordered_set<const c10::TensorImpl*> marked_;
-  // Trigger -> eager groups to restore at its first unpack. A kept trigger is keyed by its
-  // TensorImpl, a packed one by its OffloadedStorage; cleared when a forward starts.
-  std::unordered_map<const void*, std::vector<GroupId>> triggers_;
-  std::atomic<int64_t> trigger_count_{0};
 
   std::atomic<int64_t> packed_{0};
   std::atomic<int64_t> skipped_{0};
   std::atomic<int64_t> shared_hits_{0};
-  std::atomic<int64_t> head_kept_{0};
 };
 
 }  // namespace ckpt_offload::torch_plugin
