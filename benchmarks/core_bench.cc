@@ -277,7 +277,7 @@ BENCHMARK(BM_ArenaAllocFreeShared)->Arg(64 * kKiB)->Threads(1)->Threads(2)->UseR
 // Acquire; sources are never freed (the benchmark reuses them every step).
 class PooledClient : public OffloadEngine::Client {
  public:
-  void ReleaseSource(EntryId) override {}
+  void ReleaseSource(EntryId, SourceToken) override {}
   absl::StatusOr<void*> AllocateRestore(EntryId, size_t) override {
     if (free_.empty()) return absl::ResourceExhaustedError("benchmark restore pool is empty");
     void* data = free_.back();
@@ -373,7 +373,7 @@ void BM_EnginePerTensorSim(benchmark::State& state) {
         failed = !group.ok();
         for (int i = 0; i < per_layer && !failed; ++i) {
           auto offer = engine.OfferEntry(*group, rig.sources[layer][i], SimRig::kTensorBytes,
-                                         rig.compute);
+                                         /*source=*/0, rig.compute);
           failed = !offer.ok();
           if (!failed) rig.entries[layer][i] = offer->entry;
         }

@@ -119,6 +119,7 @@ using EventPtr = std::shared_ptr<SharedEvent>;
 struct Entry {
   GroupId group = 0;
   const void* source = nullptr;
+  SourceToken source_token = 0;
   size_t bytes = 0;
   EntryState state = EntryState::kNew;  // changed only by Impl::SetState
   HostBlock host;              // kOffloading .. kHandedOut
@@ -248,7 +249,7 @@ struct OffloadEngine::Impl {
   // Hands the source back to the caller; `entry` just left a state that held it.
   void ReleaseSourceOf(EntryId id, const Entry& entry) {
     device->OnDeviceSourceReleased(entry.source, entry.bytes);
-    client->ReleaseSource(id);
+    client->ReleaseSource(id, entry.source_token);
   }
 
   // Orders `stream` after the work queued on `compute` so far.
@@ -779,6 +780,7 @@ absl::Status OffloadEngine::EndForward() {
 absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
                                                                const void* device_src,
                                                                size_t bytes,
+                                                               SourceToken source,
                                                                StreamHandle compute) {
   if (device_src == nullptr && bytes > 0) {
     return absl::InvalidArgumentError(
@@ -795,6 +797,7 @@ absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
   Entry& entry = s.entries[id];
   entry.group = gid;
   entry.source = device_src;
+  entry.source_token = source;
   entry.bytes = bytes;
   git->second.entries.push_back(id);
   const GroupState group_state = git->second.state;

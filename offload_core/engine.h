@@ -101,6 +101,9 @@ namespace ckpt_offload {
 
 using GroupId = int64_t;
 using EntryId = int64_t;
+// Chosen by the caller for each OfferEntry and handed back with ReleaseSource: the caller
+// files its source under it before offering, so a release can never outrun the filing.
+using SourceToken = uint64_t;
 
 namespace engine_internal {
 struct EngineTestPeer;  // engine_states.h: tests read entry and group states
@@ -143,9 +146,11 @@ class OffloadEngine {
   class Client {
    public:
     virtual ~Client() = default;
-    // The engine no longer needs `entry`'s device source (its D2H completed, or it was
-    // dropped by Reset). Called at most once per entry.
-    virtual void ReleaseSource(EntryId entry) = 0;
+    // The engine no longer needs the device source offered as `entry` with token `source`
+    // (its D2H completed, or it was dropped by Reset). Called at most once per entry. It can
+    // come before OfferEntry returned `entry` to its caller (another thread's engine call
+    // saw the copy complete): find the source by `source`, not by `entry`.
+    virtual void ReleaseSource(EntryId entry, SourceToken source) = 0;
     // Device memory of `bytes` to restore `entry` into. It is written on the H2D stream
     // after the compute stream's work queued so far.
     virtual absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) = 0;
@@ -193,10 +198,11 @@ class OffloadEngine {
     bool will_offload;
   };
   // Registers `bytes` of device memory at `device_src` as an entry of `group`. The memory
-  // must stay valid until ReleaseSource(entry), or until Discard(entry) when that returns
-  // false.
+  // must stay valid until ReleaseSource(entry, source), or until Discard(entry) when that
+  // returns false.
+  // REQUIRES: the caller can find the source by `source` before this is called.
   absl::StatusOr<Offer> OfferEntry(GroupId group, const void* device_src, size_t bytes,
-                                   StreamHandle compute);
+                                   SourceToken source, StreamHandle compute);
 
   struct Acquired {
     bool resident;       // true: use the caller's own source (never offloaded)
@@ -205,7 +211,7 @@ class OffloadEngine {
   absl::StatusOr<Acquired> Acquire(EntryId entry, StreamHandle compute);
 
   // The caller's handle for `entry` is gone; its host block is returned once safe. Returns
-  // true when a copy still reads the source: keep it valid until ReleaseSource(entry).
+  // true when a copy still reads the source: keep it valid until its ReleaseSource.
   bool Discard(EntryId entry);
 
   // Up-front hint for the host pool (e.g. from the longest sequence a run will see):

@@ -107,7 +107,7 @@ const std::map<std::string, FlagKind>& KnownFlags() {
 class StandInClient : public OffloadEngine::Client {
  public:
   explicit StandInClient(SimDevice* sim) : sim_(sim) {}
-  void ReleaseSource(EntryId) override {}
+  void ReleaseSource(EntryId, SourceToken) override {}
   absl::StatusOr<void*> AllocateRestore(EntryId, size_t bytes) override {
     return sim_->AllocateDeviceBuffer(bytes);
   }
@@ -163,7 +163,8 @@ absl::StatusOr<SimOutcome> SimulateStep(const PlanInput& input, size_t bytes_per
       CKPT_ASSIGN_OR_RETURN(GroupId group, engine->BeginGroup(compute));
       sources[layer] = sim.AllocateDeviceBuffer(sim_bytes);
       CKPT_ASSIGN_OR_RETURN(OffloadEngine::Offer offer,
-                            engine->OfferEntry(group, sources[layer], sim_bytes, compute));
+                            engine->OfferEntry(group, sources[layer], sim_bytes,
+                                               /*source=*/0, compute));
       entries[layer] = offer.entry;
       sim.Compute(compute, forward_us, {{sources[layer], sim_bytes}});
     }

@@ -22,7 +22,7 @@ constexpr size_t kKiB = size_t{1} << 10;
 // Restore buffers from the heap; sources belong to the test and outlive every step.
 class HeapClient : public OffloadEngine::Client {
  public:
-  void ReleaseSource(EntryId) override {}
+  void ReleaseSource(EntryId, SourceToken) override {}
   absl::StatusOr<void*> AllocateRestore(EntryId, size_t bytes) override {
     auto buffer = std::make_unique<uint8_t[]>(bytes == 0 ? 1 : bytes);
     void* data = buffer.get();
@@ -69,7 +69,7 @@ class HostPoolEngine {
           sources.back()[i] = static_cast<uint8_t>(salt + i * 7 + (i >> 9));
         }
         absl::StatusOr<OffloadEngine::Offer> offer = engine_->OfferEntry(
-            *group, sources.back().data(), entry_bytes, /*compute=*/0);
+            *group, sources.back().data(), entry_bytes, /*source=*/0, /*compute=*/0);
         ASSERT_TRUE(offer.ok()) << offer.status();
         saved.push_back({offer->entry, &sources.back()});
       }

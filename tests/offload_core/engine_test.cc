@@ -163,21 +163,33 @@ class SimClient : public OffloadEngine::Client {
     return data;
   }
 
-  // Called right after OfferEntry. A ReleaseSource that raced ahead (another thread's call
-  // polled the copy's completion first) is applied now.
-  void RegisterSource(EntryId entry, void* data, size_t bytes) {
+  // Files a source before it is offered; the token goes to OfferEntry, which may release
+  // it before returning (another thread's call can poll the copy's completion first).
+  SourceToken FileSource(void* data, size_t bytes) {
     std::lock_guard<std::mutex> lock(mu_);
-    Source& source = sources_[entry];
+    const SourceToken token = next_token_++;
+    Source& source = sources_[token];
     source.data = data;
     source.bytes = bytes;
-    if (released_early_.erase(entry) > 0) ReleaseLocked(entry, source);
+    return token;
+  }
+  // OfferEntry failed: the source was never the engine's (the caller frees it).
+  void UnfileSource(SourceToken token) {
+    std::lock_guard<std::mutex> lock(mu_);
+    sources_.erase(token);
+  }
+  // Called right after OfferEntry: the entry the engine named for the filed source.
+  void Bind(EntryId entry, SourceToken token) {
+    std::lock_guard<std::mutex> lock(mu_);
+    token_of_[entry] = token;
+    sources_.at(token).entry = entry;
   }
 
   // The caller's own handle is gone and Discard returned false: the memory is the
   // caller's to reuse, which the fill imitates.
   void CallerDropped(EntryId entry) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = sources_.find(entry);
+    auto it = sources_.find(TokenOf(entry));
     if (it == sources_.end()) return;
     it->second.dropped = true;
     std::memset(it->second.data, kReleasedFill, it->second.bytes);
@@ -209,14 +221,14 @@ class SimClient : public OffloadEngine::Client {
   std::vector<EntryId> UnsettledSources() const {
     std::lock_guard<std::mutex> lock(mu_);
     std::vector<EntryId> out;
-    for (const auto& [entry, source] : sources_) {
-      if (!source.released && !source.dropped) out.push_back(entry);
+    for (const auto& [token, source] : sources_) {
+      if (!source.released && !source.dropped) out.push_back(source.entry);
     }
     return out;
   }
   bool Released(EntryId entry) const {
     std::lock_guard<std::mutex> lock(mu_);
-    auto it = sources_.find(entry);
+    auto it = sources_.find(TokenOf(entry));
     return it != sources_.end() && it->second.released;
   }
   size_t outstanding_restores() const {
@@ -247,16 +259,14 @@ class SimClient : public OffloadEngine::Client {
   }
 
   // --- OffloadEngine::Client ---
-  void ReleaseSource(EntryId entry) override {
+  void ReleaseSource(EntryId entry, SourceToken token) override {
     const double now_us = sim_->host_time_us();
     std::lock_guard<std::mutex> lock(mu_);
     release_log_.push_back({entry, now_us});
-    auto it = sources_.find(entry);
+    auto it = sources_.find(token);
     if (it == sources_.end()) {
-      released_early_[entry]++;
-      if (released_early_[entry] > 1) {
-        errors_.push_back(absl::StrCat("entry ", entry, ": ReleaseSource called twice"));
-      }
+      errors_.push_back(absl::StrCat("entry ", entry, ": ReleaseSource of a source never "
+                                     "filed (token ", token, ")"));
       return;
     }
     ReleaseLocked(entry, it->second);
@@ -299,6 +309,7 @@ class SimClient : public OffloadEngine::Client {
   struct Source {
     void* data = nullptr;
     size_t bytes = 0;
+    EntryId entry = 0;      // 0 until Bind
     bool released = false;  // ReleaseSource came
     bool dropped = false;   // the caller let go (Discard returned false)
   };
@@ -320,10 +331,17 @@ class SimClient : public OffloadEngine::Client {
     std::memset(source.data, kReleasedFill, source.bytes);
   }
 
+  // mu_ held. 0 (no source has it) for an entry never bound.
+  SourceToken TokenOf(EntryId entry) const {
+    auto it = token_of_.find(entry);
+    return it == token_of_.end() ? 0 : it->second;
+  }
+
   SimDevice* sim_;
   mutable std::mutex mu_;
-  std::map<EntryId, Source> sources_;
-  std::map<EntryId, int> released_early_;
+  std::map<SourceToken, Source> sources_;  // by the token each was offered with
+  std::map<EntryId, SourceToken> token_of_;
+  SourceToken next_token_ = 1;
   std::map<void*, Restore> restores_;
   int64_t dropped_restores_ = 0;
   int64_t allocated_restores_ = 0;
@@ -410,15 +428,17 @@ class EngineHarness {
         tensor.bytes = plan.entry_bytes[layer][i];
         tensor.tag = (int64_t{step} * 1000 + layer) * 16 + static_cast<int64_t>(i);
         tensor.source = client_.NewSource(tensor.bytes, tensor.tag);
+        const SourceToken token = client_.FileSource(tensor.source, tensor.bytes);
         absl::StatusOr<OffloadEngine::Offer> offer =
-            engine_->OfferEntry(*group, tensor.source, tensor.bytes, compute_);
+            engine_->OfferEntry(*group, tensor.source, tensor.bytes, token, compute_);
         if (!offer.ok()) {
+          client_.UnfileSource(token);
           sim_.FreeDeviceBuffer(tensor.source);
           saved->push_back(std::move(tensors));
           return offer.status();
         }
         tensor.entry = offer->entry;
-        client_.RegisterSource(tensor.entry, tensor.source, tensor.bytes);
+        client_.Bind(tensor.entry, token);
         reads.push_back({tensor.source, tensor.bytes});
         tensors.push_back(tensor);
       }
@@ -1123,12 +1143,13 @@ void HeadForward(EngineHarness& harness, const StepPlan& plan, size_t head_bytes
   head.bytes = head_bytes;
   head.tag = int64_t{step} * 1000 + 999;
   head.source = harness.client().NewSource(head.bytes, head.tag);
+  const SourceToken token = harness.client().FileSource(head.source, head.bytes);
   absl::StatusOr<OffloadEngine::Offer> offer =
-      harness.engine().OfferEntry(*group, head.source, head.bytes, harness.compute());
+      harness.engine().OfferEntry(*group, head.source, head.bytes, token, harness.compute());
   ASSERT_TRUE(offer.ok()) << offer.status();
   EXPECT_TRUE(offer->will_offload);  // copied as offered: known at once
   head.entry = offer->entry;
-  harness.client().RegisterSource(head.entry, head.source, head.bytes);
+  harness.client().Bind(head.entry, token);
   // The head's forward (it reads the saved tensor).
   harness.sim().Compute(harness.compute(), plan.forward_us, {{head.source, head.bytes}});
 }
@@ -1522,12 +1543,13 @@ TEST_F(EngineTest, KeepLastZeroOfferReportsFallbackUpFront) {
   absl::StatusOr<GroupId> group = harness.engine().BeginGroup(harness.compute());
   ASSERT_TRUE(group.ok());
   void* source = harness.client().NewSource(1024, 1);
+  const SourceToken token = harness.client().FileSource(source, 1024);
   absl::StatusOr<OffloadEngine::Offer> offer =
-      harness.engine().OfferEntry(*group, source, 1024, harness.compute());
+      harness.engine().OfferEntry(*group, source, 1024, token, harness.compute());
   ASSERT_TRUE(offer.ok()) << offer.status();
   EXPECT_FALSE(offer->will_offload);
   EXPECT_EQ(harness.engine().stats().cap_fallbacks, 1);
-  harness.client().RegisterSource(offer->entry, source, 1024);
+  harness.client().Bind(offer->entry, token);
   EXPECT_FALSE(harness.engine().Discard(offer->entry));
   harness.client().CallerDropped(offer->entry);
   harness.DrainAndCheck();
@@ -1760,12 +1782,13 @@ TEST_F(EngineTest, BadCallsAreReportedNotFatal) {
   EngineHarness harness(Options(1, 1));
   OffloadEngine& engine = harness.engine();
   absl::StatusOr<OffloadEngine::Offer> unknown_group =
-      engine.OfferEntry(12345, harness.client().NewSource(16, 0), 16, harness.compute());
+      engine.OfferEntry(12345, harness.client().NewSource(16, 0), 16, /*source=*/0,
+                        harness.compute());
   EXPECT_EQ(unknown_group.status().code(), absl::StatusCode::kNotFound);
   absl::StatusOr<GroupId> group = engine.BeginGroup(harness.compute());
   ASSERT_TRUE(group.ok());
   absl::StatusOr<OffloadEngine::Offer> null_source =
-      engine.OfferEntry(*group, nullptr, 16, harness.compute());
+      engine.OfferEntry(*group, nullptr, 16, /*source=*/0, harness.compute());
   EXPECT_EQ(null_source.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(null_source.status().message().find("device_src"), std::string::npos);
   EXPECT_EQ(engine.Acquire(999, harness.compute()).status().code(),
@@ -1773,11 +1796,12 @@ TEST_F(EngineTest, BadCallsAreReportedNotFatal) {
   EXPECT_FALSE(engine.Discard(999));
   // A zero-byte entry has nothing to move: it stays resident.
   void* empty = harness.client().NewSource(0, 0);
+  const SourceToken token = harness.client().FileSource(empty, 0);
   absl::StatusOr<OffloadEngine::Offer> zero =
-      engine.OfferEntry(*group, empty, 0, harness.compute());
+      engine.OfferEntry(*group, empty, 0, token, harness.compute());
   ASSERT_TRUE(zero.ok());
   EXPECT_FALSE(zero->will_offload);
-  harness.client().RegisterSource(zero->entry, empty, 0);
+  harness.client().Bind(zero->entry, token);
   absl::StatusOr<OffloadEngine::Acquired> acquired =
       engine.Acquire(zero->entry, harness.compute());
   ASSERT_TRUE(acquired.ok());

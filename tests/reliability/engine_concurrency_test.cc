@@ -14,7 +14,6 @@
 #include <mutex>
 #include <optional>
 #include <random>
-#include <set>
 #include <string>
 #include <thread>
 #include <utility>
@@ -47,8 +46,9 @@ class Client : public OffloadEngine::Client {
     bool released = false;
   };
 
-  // Makes a source buffer filled with tag's pattern; returns its address.
-  const uint8_t* NewSource(uint64_t key, size_t bytes, uint64_t tag) {
+  // Makes a source buffer filled with tag's pattern, filed under `key` (the SourceToken it
+  // is offered with); returns its address.
+  const uint8_t* NewSource(SourceToken key, size_t bytes, uint64_t tag) {
     auto source = std::make_unique<Source>();
     source->data.reset(new uint8_t[bytes == 0 ? 1 : bytes]);
     source->bytes = bytes;
@@ -56,31 +56,24 @@ class Client : public OffloadEngine::Client {
     for (size_t i = 0; i < bytes; ++i) source->data[i] = Pattern(tag, i);
     const uint8_t* data = source->data.get();
     std::lock_guard<std::mutex> lock(mu_);
-    pending_[key] = std::move(source);
+    sources_[key] = std::move(source);
     return data;
   }
-  // The engine named the entry of the source registered under `key`.
-  void Bind(uint64_t key, EntryId entry) {
+  // The engine named the entry of the source filed under `key`.
+  void Bind(SourceToken key, EntryId entry) {
     std::lock_guard<std::mutex> lock(mu_);
-    auto node = pending_.extract(key);
-    ASSERT_FALSE(node.empty());
-    if (released_early_.erase(entry) > 0) return;  // released inside OfferEntry
-    sources_[entry] = std::move(node.mapped());
+    key_of_[entry] = key;
   }
-  void Forget(uint64_t key) {
+  // OfferEntry failed: the source was never the engine's.
+  void Forget(SourceToken key) {
     std::lock_guard<std::mutex> lock(mu_);
-    pending_.erase(key);
+    sources_.erase(key);
   }
 
-  void ReleaseSource(EntryId entry) override {
+  void ReleaseSource(EntryId entry, SourceToken key) override {
     std::lock_guard<std::mutex> lock(mu_);
     ++releases_[entry];
-    auto it = sources_.find(entry);
-    if (it == sources_.end()) {
-      released_early_.insert(entry);
-      return;
-    }
-    sources_.erase(it);  // frees the device memory: the engine must never read it again
+    sources_.erase(key);  // frees the device memory: the engine must never read it again
   }
   absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) override {
     auto buffer = std::make_unique<uint8_t[]>(bytes == 0 ? 1 : bytes);
@@ -101,7 +94,7 @@ class Client : public OffloadEngine::Client {
     std::lock_guard<std::mutex> lock(mu_);
     const uint8_t* data = nullptr;
     if (acquired.resident) {
-      auto it = sources_.find(entry);
+      auto it = sources_.find(KeyOf(entry));
       if (it == sources_.end()) {
         return absl::StrCat("entry ", entry, " reported resident but its source was released");
       }
@@ -128,7 +121,7 @@ class Client : public OffloadEngine::Client {
   // Discard(entry) returned `source_needed`.
   void AfterDiscard(EntryId entry, bool source_needed) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!source_needed) sources_.erase(entry);
+    if (!source_needed) sources_.erase(KeyOf(entry));
   }
 
   int MaxReleasesPerEntry() {
@@ -139,7 +132,7 @@ class Client : public OffloadEngine::Client {
   }
   size_t HeldSources() {
     std::lock_guard<std::mutex> lock(mu_);
-    return sources_.size() + pending_.size();
+    return sources_.size();
   }
   size_t HeldRestores() {
     std::lock_guard<std::mutex> lock(mu_);
@@ -147,10 +140,15 @@ class Client : public OffloadEngine::Client {
   }
 
  private:
+  // mu_ held. 0 (no source has that key) when Bind has not come yet.
+  SourceToken KeyOf(EntryId entry) const {
+    auto it = key_of_.find(entry);
+    return it == key_of_.end() ? 0 : it->second;
+  }
+
   std::mutex mu_;
-  std::map<uint64_t, std::unique_ptr<Source>> pending_;
-  std::map<EntryId, std::unique_ptr<Source>> sources_;
-  std::set<EntryId> released_early_;
+  std::map<SourceToken, std::unique_ptr<Source>> sources_;  // by the key offered with
+  std::map<EntryId, SourceToken> key_of_;
   std::map<EntryId, int> releases_;
   std::map<void*, std::unique_ptr<uint8_t[]>> restores_;
 };
@@ -252,7 +250,7 @@ TEST_P(EngineConcurrency, ForwardAndBackwardOnDifferentThreadsRoundTripEveryByte
           const uint64_t key = next_key++;
           const uint64_t tag = (static_cast<uint64_t>(step) << 20) | (layer << 4) | t;
           const uint8_t* src = client.NewSource(key, bytes, tag);
-          auto offer = engine.OfferEntry(*group, src, bytes, /*compute=*/0);
+          auto offer = engine.OfferEntry(*group, src, bytes, /*source=*/key, /*compute=*/0);
           if (!offer.ok()) {
             client.Forget(key);
             return fail(absl::StrCat("OfferEntry: ", offer.status().ToString()));

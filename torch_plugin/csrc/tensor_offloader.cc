@@ -342,23 +342,31 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
       group = *made;
     }
     const auto* base = static_cast<const char*>(storage.data());
+    const SourceToken token = FileSource(storage);
     auto offer = engine->OfferEntry(group, base + begin, static_cast<size_t>(end - begin),
-                                    compute);
-    if (!offer.ok()) ThrowStatus("offloading a saved tensor", offer.status());
+                                    token, compute);
+    if (!offer.ok()) {
+      UnfileSource(token);
+      ThrowStatus("offloading a saved tensor", offer.status());
+    }
     // Outside checkpoint groups (scope "all") no EndGroup follows: look here.
     if (!group_open_ || !offer->will_offload) WarnOnFirstFallback(engine);
     if (!offer->will_offload) {
       engine->Discard(offer->entry);
+      UnfileSource(token);
       return Skip(tensor);
     }
     entry = offer->entry;
+    {
+      std::lock_guard<std::mutex> lock(tensors_mu_);
+      source_tokens_.emplace(entry, token);
+    }
     if (group_open_) head_.NoteGroupEntry(end - begin);
   }
   auto holder = std::make_shared<OffloadedStorage>(shared_from_this(), entry, storage, begin,
                                                    end, tensor.device());
   {
     std::lock_guard<std::mutex> lock(tensors_mu_);
-    if (released_early_.erase(entry) == 0) sources_.emplace(entry, storage);
     by_storage_[key] = holder;
   }
   return {MakePacked(tensor, begin, std::move(holder)), nullptr};
@@ -371,7 +379,8 @@ c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& de
   std::lock_guard<std::mutex> lock(tensors_mu_);
   *resident = acquired->resident;
   if (acquired->resident) {
-    auto it = sources_.find(entry);
+    auto token = source_tokens_.find(entry);
+    auto it = token == source_tokens_.end() ? sources_.end() : sources_.find(token->second);
     TORCH_CHECK(it != sources_.end(), "ckpt_offload: resident tensor ", entry, " was lost");
     return it->second;
   }
@@ -486,17 +495,22 @@ GroupId TensorOffloader::OfferHeadLocked(OffloadedStorage& candidate) {
     auto group = engine->BeginEagerGroup();
     if (!group.ok()) ThrowStatus("starting a head group", group.status());
     const auto* base = static_cast<const char*>(source.data());
+    const SourceToken token = FileSource(source);
     auto offer = engine->OfferEntry(*group, base + begin, static_cast<size_t>(end - begin),
-                                    ComputeStream(device));
-    if (!offer.ok()) ThrowStatus("offloading a head tensor", offer.status());
+                                    token, ComputeStream(device));
+    if (!offer.ok()) {
+      UnfileSource(token);
+      ThrowStatus("offloading a head tensor", offer.status());
+    }
     WarnOnFirstFallback(engine);
     if (!offer->will_offload) {
       engine->Discard(offer->entry);
+      UnfileSource(token);
       return 0;  // the arena refused: it stays, held by the candidate
     }
     {
       std::lock_guard<std::mutex> tensors_lock(tensors_mu_);
-      if (released_early_.erase(offer->entry) == 0) sources_.emplace(offer->entry, source);
+      source_tokens_.emplace(offer->entry, token);
     }
     group_id = *group;
     return offer->entry;
@@ -543,9 +557,21 @@ at::Tensor TensorOffloader::Unpack(const PackedTensor& packed) {
   return out;
 }
 
-void TensorOffloader::ReleaseSource(EntryId entry) {
+SourceToken TensorOffloader::FileSource(const c10::Storage& storage) {
   std::lock_guard<std::mutex> lock(tensors_mu_);
-  if (sources_.erase(entry) == 0) released_early_.insert(entry);
+  const SourceToken token = next_source_token_++;
+  sources_.emplace(token, storage);
+  return token;
+}
+
+void TensorOffloader::UnfileSource(SourceToken token) {
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  sources_.erase(token);
+}
+
+void TensorOffloader::ReleaseSource(EntryId, SourceToken source) {
+  std::lock_guard<std::mutex> lock(tensors_mu_);
+  sources_.erase(source);
 }
 
 absl::StatusOr<void*> TensorOffloader::AllocateRestore(EntryId entry, size_t bytes) {
@@ -572,8 +598,12 @@ void TensorOffloader::Discard(EntryId entry, const c10::StorageImpl* key) {
   bool source_needed = false;
   if (engine_) source_needed = engine_->Discard(entry);
   std::lock_guard<std::mutex> lock(tensors_mu_);
-  if (!source_needed) sources_.erase(entry);
-  released_early_.erase(entry);
+  auto token = source_tokens_.find(entry);
+  if (token != source_tokens_.end()) {
+    // Still needed: ReleaseSource drops it by its token.
+    if (!source_needed) sources_.erase(token->second);
+    source_tokens_.erase(token);
+  }
   auto it = by_storage_.find(key);
   if (it != by_storage_.end() && it->second.expired()) by_storage_.erase(it);
 }

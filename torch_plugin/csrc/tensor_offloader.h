@@ -233,9 +233,13 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   explicit TensorOffloader(OffloaderConfig config);
 
   // OffloadEngine::Client (called with the engine's lock held).
-  void ReleaseSource(EntryId entry) override;
+  void ReleaseSource(EntryId entry, SourceToken source) override;
   absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) override;
   void DropRestore(EntryId entry, void* data) override;
+  // A source under a fresh token, before OfferEntry; UnfileSource when the engine did not
+  // take it (the offer failed, or the entry stays resident).
+  SourceToken FileSource(const c10::Storage& storage);
+  void UnfileSource(SourceToken token);
 
   // The engine for `device`, created on first use.
   OffloadEngine* EngineFor(const at::Device& device);
@@ -289,8 +293,11 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   // Tensors owned on the engine's behalf (guarded by tensors_mu_; taken inside engine calls).
   std::mutex tensors_mu_;
   // Sources by storage: an at::Tensor would hold its grad_fn, and with it the graph.
-  std::unordered_map<EntryId, c10::Storage> sources_;  // until ReleaseSource / Discard
-  std::unordered_set<EntryId> released_early_;        // ReleaseSource before Pack stored it
+  // Filed under their token before OfferEntry (a ReleaseSource can come before it
+  // returns), until ReleaseSource or Discard; source_tokens_ from the offer's return.
+  std::unordered_map<SourceToken, c10::Storage> sources_;
+  std::unordered_map<EntryId, SourceToken> source_tokens_;
+  SourceToken next_source_token_ = 1;
   std::unordered_map<EntryId, at::Tensor> restores_;  // until acquired or dropped
   std::unordered_map<const c10::StorageImpl*, std::weak_ptr<OffloadedStorage>> by_storage_;
   std::unordered_set<const c10::TensorImpl*> marked_;

@@ -71,7 +71,7 @@ uint8_t StorageByte(uint32_t storage, int64_t i) {
 
 class Client : public OffloadEngine::Client {
  public:
-  void ReleaseSource(EntryId entry) override {
+  void ReleaseSource(EntryId entry, SourceToken) override {
     FUZZ_CHECK(++releases_[entry] == 1, "source of entry %lld released twice",
                static_cast<long long>(entry));
     released_.insert(entry);
@@ -204,7 +204,8 @@ class Harness {
         t.span_begin = begin;
         t.span_bytes = static_cast<size_t>(end - begin);
         MaybeFault();
-        auto offer = engine_->OfferEntry(*gid, t.storage->data() + begin, t.span_bytes, 0);
+        auto offer = engine_->OfferEntry(*gid, t.storage->data() + begin, t.span_bytes,
+                                         /*source=*/0, /*compute=*/0);
         if (!offer.ok()) {
           if (OnError()) {
             broken = true;
