@@ -340,15 +340,20 @@ def extensions(absl):
                  "nvidia-cuda-toolkit)\n"
                  "  conda:  conda install -c conda-forge cuda-cudart-dev cuda-nvcc\n"
                  "CKPT_OFFLOAD_NO_CUDA=1 builds without the CUDA backend (host backend only).")
-    core = [f"offload_core/{s}" for s in lists["CORE_SRCS"]]
+
+    def core(*names):
+        return [f"offload_core/{s}" for name in names for s in lists[name]]
+
+    # The engine path, as //torch_plugin:torch_offloader links it: no simulator, no fault
+    # injector (only its hook points).
+    engine = core("ARENA_SRCS", "DEVICE_SRCS", "NUMA_SRCS", "ENGINE_SRCS")
     compile_args = ["-O2", "-std=c++17", *absl.compile_args]
     common = dict(
         include_dirs=[str(ROOT), *absl.include_dirs],
         extra_link_args=absl.link_args + absl.rpath_args(),
     )
 
-    sources = core + [f"offload_core/{s}" for s in
-                      (lists["CORE_CUDA_SRCS"] if with_cuda else ["cuda_device_unavailable.cc"])]
+    sources = engine + core("CUDA_DEVICE_SRCS" if with_cuda else "CUDA_DEVICE_UNAVAILABLE_SRCS")
     sources += [f"torch_plugin/{s}" for s in lists["PLUGIN_SRCS"] + lists["PLUGIN_PYBIND_SRCS"]]
     c_kwargs = dict(
         common, name="ckpt_offload._C", sources=sources,
@@ -357,9 +362,9 @@ def extensions(absl):
     )
     c_ext = (cpp_extension.CUDAExtension if with_cuda else cpp_extension.CppExtension)(**c_kwargs)
 
-    # The planner: offload_core without CUDA, pybind11 from torch's headers, no libtorch.
-    plan_sources = core + ["offload_core/cuda_device_unavailable.cc"]
-    plan_sources += [f"offload_core/{s}" for s in lists["PLANNER_SRCS"]]
+    # The planner (with the simulator), as //torch_plugin:_plan links it: pybind11 from
+    # torch's headers, no libtorch, no CUDA.
+    plan_sources = engine + core("SIMULATOR_SRCS", "PLANNER_SRCS")
     plan_sources += [f"torch_plugin/{s}" for s in lists["PLAN_PYBIND_SRCS"]]
     plan_ext = Extension(
         **dict(common, include_dirs=common["include_dirs"] +

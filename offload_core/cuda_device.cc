@@ -35,7 +35,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "offload_core/device.h"
-#include "offload_core/fault_injection.h"
+#include "offload_core/fault_hooks.h"
 #include "offload_core/numa.h"
 
 namespace ckpt_offload {

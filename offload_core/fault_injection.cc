@@ -11,9 +11,10 @@ std::atomic<int64_t> pending[static_cast<int>(Fault::kCount)];
 
 void FailNext(Fault fault, int64_t count) {
   pending[static_cast<int>(fault)].store(count > 0 ? count : 0, std::memory_order_relaxed);
+  injector.store(&ConsumePending, std::memory_order_release);
 }
 
-bool ShouldFail(Fault fault) {
+bool ConsumePending(Fault fault) {
   std::atomic<int64_t>& counter = pending[static_cast<int>(fault)];
   int64_t left = counter.load(std::memory_order_relaxed);
   while (left > 0) {

@@ -78,7 +78,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "offload_core/fault_injection.h"
+#include "offload_core/fault_hooks.h"
 
 namespace ckpt_offload {
 namespace {

@@ -39,7 +39,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "offload_core/fault_injection.h"
+#include "offload_core/fault_hooks.h"
 
 namespace ckpt_offload {
 namespace {
@@ -650,10 +650,7 @@ StreamHandle SimDevice::CreateStream() {
 }
 
 void SimDevice::Compute(StreamHandle stream, double duration_us, std::vector<SimBufferRef> reads,
-                        std::vector<SimBufferRef> writes, std::string label) {
-  // `writes` is accepted for symmetry and future hazard kinds; no documented hazard
-  // concerns what a compute writes.
-  (void)writes;
+                        std::string label) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->CatchUp();
   if (!impl_->ValidStream(stream)) Die(absl::StrCat("Compute on unknown stream ", stream));

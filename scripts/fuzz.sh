@@ -21,7 +21,7 @@ OUT="${FUZZ_OUT:-${TMPDIR:-/tmp}/ckpt_offload_fuzz}"
 CXX="${CXX:-clang++-14}"
 
 declare -A SOURCES=(
-  [arena_fuzz]="offload_core/host_arena.cc offload_core/fault_injection.cc"
+  [arena_fuzz]="offload_core/host_arena.cc"
   [engine_roundtrip_fuzz]="offload_core/host_arena.cc offload_core/fault_injection.cc
                            offload_core/host_device.cc offload_core/engine.cc"
 )

@@ -9,6 +9,8 @@ import torch.utils.checkpoint
 
 import ckpt_offload
 from ckpt_offload import _C
+
+import fault_injector
 from models import make_mlp_stack
 from reliability_util import (fresh_host_config, grads, host_live_bytes, identical,
                               reference_step, saved_tensor_hooks_active)
@@ -151,7 +153,7 @@ def test_native_offloader_rejects_bad_values_by_field(kwargs, message):
 
 def test_fault_hook_rejects_unknown_fault_kind():
     with pytest.raises(ValueError, match="'host_allocation', 'copy' or 'event'"):
-        _C._testing_fail_next("disk", 1)
+        fault_injector.fail_next("disk", 1)
 
 
 # Misuse.

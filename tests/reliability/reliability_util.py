@@ -21,7 +21,7 @@ import torch
 import torch.utils.checkpoint
 
 import ckpt_offload
-from ckpt_offload import _C
+import fault_injector  # test-only: installs the injector in ckpt_offload._C's hook
 
 _FRESH = itertools.count(1)
 
@@ -116,11 +116,11 @@ def count_fallback_warnings(texts: List[str]) -> int:
 @contextlib.contextmanager
 def armed_fault(fault: str, count: int = 1):
     """The next `count` operations of `fault` fail while the block runs; cleared after."""
-    _C._testing_fail_next(fault, count)
+    fault_injector.fail_next(fault, count)
     try:
         yield
     finally:
-        _C._testing_clear_faults()
+        fault_injector.clear_faults()
 
 
 def thread_count() -> int:

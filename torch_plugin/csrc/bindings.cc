@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "offload_core/device.h"
-#include "offload_core/fault_injection.h"
+#include "offload_core/fault_hooks.h"
 #include "torch_plugin/csrc/tensor_offloader.h"
 
 namespace py = pybind11;
@@ -79,15 +79,6 @@ Scope ParseScope(const std::string& name) {
   if (name == "checkpoint_inputs") return Scope::kCheckpointInputs;
   if (name == "all") return Scope::kAll;
   throw py::value_error("scope must be 'checkpoint_inputs' or 'all' (got '" + name + "')");
-}
-
-faults::Fault ParseFault(const std::string& name) {
-  for (int i = 0; i < static_cast<int>(faults::Fault::kCount); ++i) {
-    auto fault = static_cast<faults::Fault>(i);
-    if (name == faults::Name(fault)) return fault;
-  }
-  throw py::value_error("fault must be 'host_allocation', 'copy' or 'event' (got '" + name +
-                        "')");
 }
 
 py::dict StatsDict(const OffloaderStats& s) {
@@ -234,12 +225,8 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("has_engine", &TensorOffloader::has_engine);
 
   m.def("cuda_support_compiled", &ckpt_offload::CudaSupportCompiled);
-  m.def(
-      "_testing_fail_next",
-      [](const std::string& fault, int64_t count) {
-        ckpt_offload::faults::FailNext(ParseFault(fault), count);
-      },
-      py::arg("fault"), py::arg("count") = 1,
-      "Test hook: the next `count` operations of kind `fault` fail.");
-  m.def("_testing_clear_faults", &ckpt_offload::faults::ClearAll);
+  // The fault hook point (offload_core/fault_hooks.h), for the test-only injector module of
+  // tests/reliability; this extension installs nothing there.
+  m.attr("_fault_hook") = py::reinterpret_steal<py::object>(
+      PyCapsule_New(&ckpt_offload::faults::injector, "ckpt_offload.fault_hook", nullptr));
 }
