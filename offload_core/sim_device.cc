@@ -650,7 +650,10 @@ StreamHandle SimDevice::CreateStream() {
 }
 
 void SimDevice::Compute(StreamHandle stream, double duration_us, std::vector<SimBufferRef> reads,
-                        std::string label) {
+                        std::vector<SimBufferRef> writes, std::string label) {
+  // `writes` is accepted for symmetry and future hazard kinds; no documented hazard
+  // concerns what a compute writes.
+  (void)writes;
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->CatchUp();
   if (!impl_->ValidStream(stream)) Die(absl::StrCat("Compute on unknown stream ", stream));
