@@ -11,6 +11,7 @@ threads training two models are two independent offloads.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import sys
 import threading
@@ -23,17 +24,9 @@ import torch.utils.checkpoint
 from ckpt_offload import _C
 from ckpt_offload.config import OffloadConfig, make_config
 
-STAT_KEYS = (
-    "offloaded_tensors", "offloaded_bytes", "restored_tensors", "restored_bytes",
-    "kept_resident_tensors", "prefetched_tensors", "exposed_wait_ms", "cap_fallbacks",
-    "reclaimed_tensors",
-    "groups", "device_held_bytes", "peak_device_held_bytes", "host_reserved_bytes",
-    "host_live_bytes", "host_peak_bytes", "host_live_blocks", "pinned_allocations",
-    "pinned_allocation_seconds", "host_cap_rejections", "host_backend_failures",
-    "packed_tensors", "skipped_tensors", "shared_storage_hits",
-    "head_offloaded_tensors", "head_offloaded_bytes", "head_restored_tensors",
-    "head_restored_bytes", "head_kept_tensors", "head_cap_fallbacks",
-)
+# The keys of stats(), in order: the extension's own list (its stats table).
+STAT_KEYS = tuple(_C.STAT_KEYS)
+
 
 class _ThreadState(threading.local):
     """This thread's active engine and its offloaders.
@@ -54,22 +47,26 @@ class _ThreadState(threading.local):
 _THREAD = _ThreadState()
 
 
+def _native_settings(config: OffloadConfig, backend: str, limit: int) -> Dict[str, object]:
+    """_C.Offloader's keyword arguments: every OffloadConfig field, in field order, with the
+    backend resolved and the host limit in bytes."""
+    settings = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+    settings.update(backend=backend, host_memory_limit=limit)
+    return settings
+
+
 def _offloader_for(config: OffloadConfig, backend: str) -> "_C.Offloader":
     """This thread's offloader for `config`, made on first use."""
     limit = config.host_memory_limit_bytes()
-    key = (backend, config.keep_last, config.prefetch_depth, config.min_offload_bytes,
-           config.scope, config.max_inflight_d2h_groups, config.offload_head)
+    settings = _native_settings(config, backend, limit)
+    # Every setting but the host limit, which a shared offloader takes at each use.
+    key = tuple(value for name, value in settings.items() if name != "host_memory_limit")
     offloader = _THREAD.offloaders.get(key)
     if offloader is None:
         if backend == "cuda" and not _C.cuda_support_compiled():
             raise ValueError("backend: 'cuda' requested but ckpt_offload was built without "
                              "CUDA support; reinstall with a CUDA build of torch")
-        offloader = _C.Offloader(
-            keep_last=config.keep_last, prefetch_depth=config.prefetch_depth,
-            min_offload_bytes=config.min_offload_bytes, host_memory_limit=limit,
-            backend=backend, scope=config.scope,
-            max_inflight_d2h_groups=config.max_inflight_d2h_groups,
-            offload_head=config.offload_head)
+        offloader = _C.Offloader(**settings)
         _THREAD.offloaders[key] = offloader
     else:
         offloader.set_host_memory_limit(limit)

@@ -2,6 +2,7 @@
 // are C++ (pack/unpack run no Python code per tensor).
 #include <torch/extension.h>
 
+#include <iterator>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -81,39 +82,54 @@ Scope ParseScope(const std::string& name) {
   throw py::value_error("scope must be 'checkpoint_inputs' or 'all' (got '" + name + "')");
 }
 
+// The figures of Offloader.stats(), in order: the one list of stat keys. Each entry is
+// X(key, the value in OffloaderStats `s`); ckpt_offload.STAT_KEYS is read from _C.STAT_KEYS.
+#define CKPT_OFFLOAD_STATS(X)                                               \
+  X(offloaded_tensors, s.engine.offloaded_tensors)                          \
+  X(offloaded_bytes, s.engine.offloaded_bytes)                              \
+  X(restored_tensors, s.engine.restored_tensors)                            \
+  X(restored_bytes, s.engine.restored_bytes)                                \
+  X(kept_resident_tensors, s.engine.kept_resident_tensors)                  \
+  X(prefetched_tensors, s.engine.prefetched_tensors)                        \
+  X(exposed_wait_ms, s.engine.exposed_wait_ms)                              \
+  X(cap_fallbacks, s.engine.cap_fallbacks)                                  \
+  X(reclaimed_tensors, s.engine.reclaimed_tensors)                          \
+  X(groups, s.engine.groups)                                                \
+  X(device_held_bytes, s.engine.device_held_bytes)                          \
+  X(peak_device_held_bytes, s.engine.peak_device_held_bytes)                \
+  X(host_reserved_bytes, s.engine.arena.reserved_bytes)                     \
+  X(host_live_bytes, s.engine.arena.live_bytes)                             \
+  X(host_peak_bytes, s.engine.arena.peak_live_bytes)                        \
+  X(host_live_blocks, s.engine.arena.live_blocks)                           \
+  X(pinned_allocations, s.engine.arena.backend_allocations)                 \
+  X(pinned_allocation_seconds, s.engine.arena.backend_alloc_seconds)        \
+  X(host_cap_rejections, s.engine.arena.cap_rejections)                     \
+  X(host_backend_failures, s.engine.arena.backend_failures)                 \
+  X(packed_tensors, s.packed_tensors)                                       \
+  X(skipped_tensors, s.skipped_tensors)                                     \
+  X(shared_storage_hits, s.shared_storage_hits)                             \
+  X(head_offloaded_tensors, s.engine.eager_offloaded_tensors)               \
+  X(head_offloaded_bytes, s.engine.eager_offloaded_bytes)                   \
+  X(head_restored_tensors, s.engine.eager_restored_tensors)                 \
+  X(head_restored_bytes, s.engine.eager_restored_bytes)                     \
+  X(head_kept_tensors, s.head_kept_tensors)                                 \
+  X(head_cap_fallbacks, s.engine.eager_cap_fallbacks)
+
 py::dict StatsDict(const OffloaderStats& s) {
   py::dict d;
-  const EngineStats& e = s.engine;
-  d["offloaded_tensors"] = e.offloaded_tensors;
-  d["offloaded_bytes"] = e.offloaded_bytes;
-  d["restored_tensors"] = e.restored_tensors;
-  d["restored_bytes"] = e.restored_bytes;
-  d["kept_resident_tensors"] = e.kept_resident_tensors;
-  d["prefetched_tensors"] = e.prefetched_tensors;
-  d["exposed_wait_ms"] = e.exposed_wait_ms;
-  d["cap_fallbacks"] = e.cap_fallbacks;
-  d["reclaimed_tensors"] = e.reclaimed_tensors;
-  d["groups"] = e.groups;
-  d["device_held_bytes"] = e.device_held_bytes;
-  d["peak_device_held_bytes"] = e.peak_device_held_bytes;
-  d["host_reserved_bytes"] = e.arena.reserved_bytes;
-  d["host_live_bytes"] = e.arena.live_bytes;
-  d["host_peak_bytes"] = e.arena.peak_live_bytes;
-  d["host_live_blocks"] = e.arena.live_blocks;
-  d["pinned_allocations"] = e.arena.backend_allocations;
-  d["pinned_allocation_seconds"] = e.arena.backend_alloc_seconds;
-  d["host_cap_rejections"] = e.arena.cap_rejections;
-  d["host_backend_failures"] = e.arena.backend_failures;
-  d["packed_tensors"] = s.packed_tensors;
-  d["skipped_tensors"] = s.skipped_tensors;
-  d["shared_storage_hits"] = s.shared_storage_hits;
-  d["head_offloaded_tensors"] = e.eager_offloaded_tensors;
-  d["head_offloaded_bytes"] = e.eager_offloaded_bytes;
-  d["head_restored_tensors"] = e.eager_restored_tensors;
-  d["head_restored_bytes"] = e.eager_restored_bytes;
-  d["head_kept_tensors"] = s.head_kept_tensors;
-  d["head_cap_fallbacks"] = e.eager_cap_fallbacks;
+#define CKPT_OFFLOAD_STAT_ITEM(key, value) d[#key] = value;
+  CKPT_OFFLOAD_STATS(CKPT_OFFLOAD_STAT_ITEM)
+#undef CKPT_OFFLOAD_STAT_ITEM
   return d;
+}
+
+py::tuple StatKeys() {
+#define CKPT_OFFLOAD_STAT_KEY(key, value) #key,
+  static constexpr const char* kKeys[] = {CKPT_OFFLOAD_STATS(CKPT_OFFLOAD_STAT_KEY)};
+#undef CKPT_OFFLOAD_STAT_KEY
+  py::tuple keys(std::size(kKeys));
+  for (size_t i = 0; i < std::size(kKeys); ++i) keys[i] = py::str(kKeys[i]);
+  return keys;
 }
 
 }  // namespace
@@ -225,6 +241,7 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("has_engine", &TensorOffloader::has_engine);
 
   m.def("cuda_support_compiled", &ckpt_offload::CudaSupportCompiled);
+  m.attr("STAT_KEYS") = StatKeys();
   // The fault hook point (offload_core/fault_hooks.h), for the test-only injector module of
   // tests/reliability; this extension installs nothing there.
   m.attr("_fault_hook") = py::reinterpret_steal<py::object>(
