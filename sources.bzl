@@ -54,6 +54,7 @@ FAULT_INJECTION_SRCS = [
 
 # //torch_plugin, the ckpt_offload._C extension and the C++ API for LibTorch loops.
 PLUGIN_SRCS = [
+    "csrc/head_policy.cc",
     "csrc/tensor_offloader.cc",
     "csrc/session.cc",
 ]
