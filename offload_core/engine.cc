@@ -985,11 +985,9 @@ void OffloadEngine::ResetStats() {
   impl_->arena.ResetPeak();
 }
 
-const EngineOptions& OffloadEngine::options() const { return impl_->options; }
 absl::Status OffloadEngine::ReserveHost(size_t bytes) { return impl_->arena.Reserve(bytes); }
 
 HostArena& OffloadEngine::arena() { return impl_->arena; }
-Device& OffloadEngine::device() { return *impl_->device; }
 
 namespace engine_internal {
 

@@ -226,9 +226,7 @@ class OffloadEngine {
 
   EngineStats stats() const;
   void ResetStats();
-  const EngineOptions& options() const;
   HostArena& arena();
-  Device& device();
 
  private:
   friend struct engine_internal::EngineTestPeer;

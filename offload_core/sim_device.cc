@@ -650,10 +650,7 @@ StreamHandle SimDevice::CreateStream() {
 }
 
 void SimDevice::Compute(StreamHandle stream, double duration_us, std::vector<SimBufferRef> reads,
-                        std::vector<SimBufferRef> writes, std::string label) {
-  // `writes` is accepted for symmetry and future hazard kinds; no documented hazard
-  // concerns what a compute writes.
-  (void)writes;
+                        std::string label) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   impl_->CatchUp();
   if (!impl_->ValidStream(stream)) Die(absl::StrCat("Compute on unknown stream ", stream));

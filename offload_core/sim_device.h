@@ -71,9 +71,10 @@ class SimDevice : public Device {
   // --- Simulation controls ---
   // A new stream (e.g. a compute stream). Stream 0 exists from the start.
   StreamHandle CreateStream();
-  // Queues `duration_us` of work on `stream` that reads/writes the given device buffers.
+  // Queues `duration_us` of work on `stream` that reads the given device buffers (what it
+  // writes concerns no hazard the simulator checks).
   void Compute(StreamHandle stream, double duration_us, std::vector<SimBufferRef> reads = {},
-               std::vector<SimBufferRef> writes = {}, std::string label = "");
+               std::string label = "");
   // "Device memory": real host memory, tracked for hazards. Freed by FreeDeviceBuffer.
   void* AllocateDeviceBuffer(size_t bytes);
   void FreeDeviceBuffer(void* data);

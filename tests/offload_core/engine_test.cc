@@ -445,7 +445,7 @@ class EngineHarness {
       saved->push_back(std::move(tensors));
       // The layer reads its inputs (and writes the next layer's, which already hold their
       // pattern: the sim's compute moves no bytes).
-      sim_.Compute(compute_, plan.forward_us, reads, {}, absl::StrCat("fwd", layer));
+      sim_.Compute(compute_, plan.forward_us, reads, absl::StrCat("fwd", layer));
     }
     return absl::OkStatus();
   }
@@ -485,7 +485,7 @@ class EngineHarness {
         }
       }
       if (!any) continue;
-      sim_.Compute(compute_, backward_us, reads, {}, absl::StrCat("bwd", layer));
+      sim_.Compute(compute_, backward_us, reads, absl::StrCat("bwd", layer));
       if (discard) {
         for (SavedTensor& tensor : tensors) {
           if (tensor.entry == 0) continue;

@@ -217,7 +217,7 @@ TEST(SimDeviceTest, ComputeWaitsOnHostToDeviceCopyThroughAnEvent) {
   ASSERT_TRUE(sim.CopyToDevice(a.device, a.host.data(), kMB, sim.h2d_stream()).ok());
   ASSERT_TRUE(sim.RecordEvent(ready, sim.h2d_stream()).ok());
   ASSERT_TRUE(sim.StreamWaitEvent(compute, ready).ok());
-  sim.Compute(compute, 100, {{a.device, kMB}}, {}, "layer");
+  sim.Compute(compute, 100, {{a.device, kMB}}, "layer");
   ASSERT_TRUE(sim.SynchronizeAll().ok());
 
   const double copy_us = CopyUs(kGB, 55);
@@ -319,7 +319,7 @@ TEST(SimDeviceTest, WaitBindsToTheRecordCurrentAtCallTime) {
   // Re-recorded after the wait was issued: the wait keeps waiting for the first record.
   sim.Compute(producer, 1000);
   ASSERT_TRUE(sim.RecordEvent(event, producer).ok());
-  sim.Compute(consumer, 10, {}, {}, "consumer");
+  sim.Compute(consumer, 10, {}, "consumer");
   ASSERT_TRUE(sim.SynchronizeAll().ok());
   std::vector<Entry> computes = EntriesOf(sim, "compute");
   bool found = false;
@@ -340,7 +340,7 @@ TEST(SimDeviceTest, WaitOnNeverRecordedEventIsANoOp) {
   // Recording after the wait does not retroactively bind it.
   sim.Compute(sim.d2h_stream(), 500);
   ASSERT_TRUE(sim.RecordEvent(event, sim.d2h_stream()).ok());
-  sim.Compute(s, 10, {}, {}, "free");
+  sim.Compute(s, 10, {}, "free");
   ASSERT_TRUE(sim.SynchronizeAll().ok());
   for (const Entry& e : EntriesOf(sim, "compute")) {
     if (e.label == "free") {
@@ -428,7 +428,7 @@ TEST(SimDeviceTest, ComputeReadingBeforeItsCopyIsAHazard) {
   Buffers a(sim, 55000 * 10);
   ASSERT_TRUE(sim.CopyToDevice(a.device, a.host.data(), a.bytes, sim.h2d_stream()).ok());
   // No wait: the compute starts at once, while the copy is still writing its input.
-  sim.Compute(compute, 5, {{static_cast<uint8_t*>(a.device) + 100, 8}}, {}, "early");
+  sim.Compute(compute, 5, {{static_cast<uint8_t*>(a.device) + 100, 8}}, "early");
   ASSERT_TRUE(sim.SynchronizeAll().ok());
   ASSERT_EQ(sim.hazards().size(), 1u);
   EXPECT_EQ(sim.hazards()[0].kind, SimDevice::HazardKind::kReadBeforeReady);
@@ -587,7 +587,7 @@ RunResult RunSchedule() {
     restored[i] = sim.CreateEvent().value();
   }
   for (int i = 0; i < kLayers; ++i) {  // forward
-    sim.Compute(compute, 20 + 3 * i, {}, {{device[i], kBytes}}, "fwd");
+    sim.Compute(compute, 20 + 3 * i, {}, "fwd");
     (void)sim.RecordEvent(produced[i], compute);
     (void)sim.StreamWaitEvent(sim.d2h_stream(), produced[i]);
     (void)sim.CopyToHost(host[i].data(), device[i], kBytes, sim.d2h_stream());
@@ -599,7 +599,7 @@ RunResult RunSchedule() {
     (void)sim.CopyToDevice(device[i], host[i].data(), kBytes, sim.h2d_stream());
     (void)sim.RecordEvent(restored[i], sim.h2d_stream());
     (void)sim.StreamWaitEvent(compute, restored[i]);
-    sim.Compute(compute, 40, {{device[i], kBytes}}, {}, "bwd");
+    sim.Compute(compute, 40, {{device[i], kBytes}}, "bwd");
     sim.AdvanceHost(0.7);
   }
   (void)sim.SynchronizeAll();
