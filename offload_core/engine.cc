@@ -17,12 +17,13 @@
 #include <cstdlib>
 #include <deque>
 #include <map>
-#include <mutex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "offload_core/engine_states.h"
 #include "offload_core/status_macros.h"
 
@@ -180,56 +181,65 @@ struct OffloadEngine::Impl {
   Client* client;
   EngineOptions options;
   HostArena arena;
-  EventPool event_pool;  // declared before every EventPtr holder: it must outlive them
+  // Declared before every EventPtr holder: it must outlive them.
+  EventPool event_pool ABSL_GUARDED_BY(mu);
 
-  mutable std::mutex mu;
-  std::unordered_map<EntryId, Entry> entries;
-  std::map<GroupId, Group> groups;
-  std::deque<GroupId> pending;      // current forward's groups whose D2H has not started
-  std::deque<GroupId> d2h_inflight; // groups with D2H copies not yet known complete
-  std::vector<DeferredHostFree> deferred_frees;
-  std::vector<DeferredRestoreDrop> deferred_drops;
-  // Discarded reclaimed entries whose D2H still reads the source: released when it is done.
-  std::vector<std::pair<EntryId, EventPtr>> deferred_releases;
-  std::vector<PendingWait> pending_waits;
-  bool in_backward = false;
-  GroupId next_group = 1;
-  EntryId next_entry = 1;
-  EntryId reset_watermark = 1;  // ids below this and absent from `entries` died in a Reset
-  EngineStats counters;
-  EventPtr compute_mark;  // re-recorded by every StreamAfterCompute
+  // The engine's one lock (engine.h: lock order). `arena` locks itself; `device`, `client`
+  // and `options` do not change after construction.
+  mutable absl::Mutex mu;
+  std::unordered_map<EntryId, Entry> entries ABSL_GUARDED_BY(mu);
+  std::map<GroupId, Group> groups ABSL_GUARDED_BY(mu);
+  // kInWindow groups, oldest first (the order the window lets them go).
+  std::deque<GroupId> pending ABSL_GUARDED_BY(mu);
+  // kCopying groups in the order their copies were recorded (Poll settles them in order).
+  std::deque<GroupId> d2h_inflight ABSL_GUARDED_BY(mu);
+  std::vector<DeferredHostFree> deferred_frees ABSL_GUARDED_BY(mu);
+  std::vector<DeferredRestoreDrop> deferred_drops ABSL_GUARDED_BY(mu);
+  // kDiscardedReclaimed entries and the D2H event that releases each.
+  std::vector<std::pair<EntryId, EventPtr>> deferred_releases ABSL_GUARDED_BY(mu);
+  std::vector<PendingWait> pending_waits ABSL_GUARDED_BY(mu);
+  bool in_backward ABSL_GUARDED_BY(mu) = false;
+  GroupId next_group ABSL_GUARDED_BY(mu) = 1;
+  EntryId next_entry ABSL_GUARDED_BY(mu) = 1;
+  // Ids below this and absent from `entries` died in a Reset.
+  EntryId reset_watermark ABSL_GUARDED_BY(mu) = 1;
+  EngineStats counters ABSL_GUARDED_BY(mu);
+  EventPtr compute_mark ABSL_GUARDED_BY(mu);  // re-recorded by every StreamAfterCompute
 
   // --- helpers (mu held) ---
 
-  absl::StatusOr<EventPtr> NewEvent() {
+  absl::StatusOr<EventPtr> NewEvent() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     CKPT_ASSIGN_OR_RETURN(EventHandle handle, event_pool.Take());
     return std::make_shared<SharedEvent>(&event_pool, handle);
   }
 
-  absl::Status Record(const EventPtr& event, StreamHandle stream) {
+  absl::Status Record(const EventPtr& event, StreamHandle stream)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     event->known_done = false;
     return device->RecordEvent(event->handle(), stream);
   }
 
   // True when `event` is null or complete.
-  absl::StatusOr<bool> Done(const EventPtr& event) {
+  absl::StatusOr<bool> Done(const EventPtr& event) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (!event || event->known_done) return true;
     CKPT_ASSIGN_OR_RETURN(bool done, device->EventDone(event->handle()));
     event->known_done = done;
     return done;
   }
 
-  void AddHeld(size_t bytes) {
+  void AddHeld(size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     counters.device_held_bytes += bytes;
     counters.peak_device_held_bytes =
         std::max(counters.peak_device_held_bytes, counters.device_held_bytes);
   }
-  void SubHeld(size_t bytes) { counters.device_held_bytes -= bytes; }
+  void SubHeld(size_t bytes) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+    counters.device_held_bytes -= bytes;
+  }
 
   // The one place an entry's state changes: checks the change against the table (debug
   // builds) and keeps device_held_bytes in step with the states that hold device memory.
   // `to` == kGone erases the entry (and `entry` with it).
-  void SetState(EntryId id, Entry& entry, EntryState to) {
+  void SetState(EntryId id, Entry& entry, EntryState to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     engine_internal::CheckTransition(entry.state, to);
     const bool held_before = engine_internal::HoldsDeviceBytes(entry.state);
     const bool held_after = engine_internal::HoldsDeviceBytes(to);
@@ -241,19 +251,20 @@ struct OffloadEngine::Impl {
 
   // The one place a group's state changes. `pending` and `d2h_inflight` keep the order of
   // kInWindow and kCopying groups; membership is the state.
-  void SetGroupState(Group& group, GroupState to) {
+  void SetGroupState(Group& group, GroupState to) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     engine_internal::CheckTransition(group.state, to);
     group.state = to;
   }
 
   // Hands the source back to the caller; `entry` just left a state that held it.
-  void ReleaseSourceOf(EntryId id, const Entry& entry) {
+  void ReleaseSourceOf(EntryId id, const Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     device->OnDeviceSourceReleased(entry.source, entry.bytes);
     client->ReleaseSource(id, entry.source_token);
   }
 
   // Orders `stream` after the work queued on `compute` so far.
-  absl::Status StreamAfterCompute(StreamHandle stream, StreamHandle compute) {
+  absl::Status StreamAfterCompute(StreamHandle stream, StreamHandle compute)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     // One event serves every call: the wait binds to the record just made.
     if (!compute_mark) {
       CKPT_ASSIGN_OR_RETURN(compute_mark, NewEvent());
@@ -264,7 +275,7 @@ struct OffloadEngine::Impl {
 
   // Issues the D2H copy of one entry (its group's D2H stream ordering is set up by the
   // caller). A refused host block keeps the entry on the device.
-  absl::Status IssueD2H(EntryId id, Entry& entry) {
+  absl::Status IssueD2H(EntryId id, Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     absl::StatusOr<HostBlock> block = arena.Allocate(entry.bytes);
     if (!block.ok()) {
       SetState(id, entry, EntryState::kResident);
@@ -296,7 +307,7 @@ struct OffloadEngine::Impl {
     return absl::OkStatus();
   }
 
-  absl::Status RecordD2HDone(GroupId gid, Group& group) {
+  absl::Status RecordD2HDone(GroupId gid, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (!group.d2h_done) {
       CKPT_ASSIGN_OR_RETURN(group.d2h_done, NewEvent());
     }
@@ -309,7 +320,7 @@ struct OffloadEngine::Impl {
   }
 
   // Keeps at most max_inflight_d2h_groups groups copying: waits for the oldest.
-  absl::Status BoundInflight() {
+  absl::Status BoundInflight() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     while (static_cast<int>(d2h_inflight.size()) >= options.max_inflight_d2h_groups) {
       auto it = groups.find(d2h_inflight.front());
       if (it != groups.end() && it->second.d2h_done) {
@@ -322,7 +333,7 @@ struct OffloadEngine::Impl {
     return absl::OkStatus();
   }
 
-  absl::Status StartOffload(GroupId gid, StreamHandle compute) {
+  absl::Status StartOffload(GroupId gid, StreamHandle compute) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     Group& group = groups.at(gid);
     SetGroupState(group, GroupState::kCopyStarted);
     bool any = false;
@@ -354,7 +365,7 @@ struct OffloadEngine::Impl {
   }
 
   // A group begins after backward started: a new forward (next micro-batch or step).
-  void LeaveBackward() {
+  void LeaveBackward() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (!in_backward) return;
     in_backward = false;
     KeepWindowResident();
@@ -362,7 +373,8 @@ struct OffloadEngine::Impl {
   }
 
   // Starts the copies of the oldest pending groups until at most `keep` are left.
-  absl::Status OffloadPendingBeyond(size_t keep, StreamHandle compute) {
+  absl::Status OffloadPendingBeyond(size_t keep, StreamHandle compute)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     while (pending.size() > keep) {
       GroupId oldest = pending.front();
       pending.pop_front();
@@ -372,20 +384,20 @@ struct OffloadEngine::Impl {
   }
 
   // The window's groups leave it without copying: the forward ended.
-  void KeepWindowResident() {
+  void KeepWindowResident() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (GroupId gid : pending) SetGroupState(groups.at(gid), GroupState::kKept);
     pending.clear();
   }
 
   // The oldest kCopying group is no longer counted in flight.
-  void PopInflight() {
+  void PopInflight() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = groups.find(d2h_inflight.front());
     if (it != groups.end()) SetGroupState(it->second, GroupState::kCopyStarted);
     d2h_inflight.pop_front();
   }
 
   // An entry of `group` is offloaded and has never been restored.
-  bool WaitsForRestore(const Group& group) const {
+  bool WaitsForRestore(const Group& group) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (EntryId id : group.entries) {
       const EntryState state = entries.at(id).state;
       if (state == EntryState::kOffloading || state == EntryState::kOffloaded) return true;
@@ -394,7 +406,7 @@ struct OffloadEngine::Impl {
   }
 
   // Forward ended: the current forward's pending groups stay on the device.
-  void EnterBackward() {
+  void EnterBackward() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (in_backward) return;
     in_backward = true;
     for (GroupId gid : pending) {
@@ -412,7 +424,8 @@ struct OffloadEngine::Impl {
   // were queued) has copies that no tracked event covers: its d2h_done reports done at once.
   // A record on the D2H stream now covers them (the stream runs in order). Reclaim's deferred
   // free and release, and a restore's wait, need an event that really waits for them.
-  absl::Status TrackUntrackedD2H(GroupId gid, Group& group) {
+  absl::Status TrackUntrackedD2H(GroupId gid, Group& group)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     bool copying = false;
     for (EntryId id : group.entries) {
       copying = copying || entries.at(id).state == EntryState::kOffloading;
@@ -425,7 +438,7 @@ struct OffloadEngine::Impl {
   // Entries of `group` whose D2H has not completed still have their device source: backward
   // needs them now, so they stay on the device (no H2D, no second device buffer) and the
   // host copy is dropped once the D2H finished writing it.
-  void ReclaimHeldSources(Group& group) {
+  void ReclaimHeldSources(Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (EntryId id : group.entries) {
       Entry& entry = entries.at(id);
       if (entry.state != EntryState::kOffloading) continue;
@@ -440,7 +453,7 @@ struct OffloadEngine::Impl {
 
   // prefetch_depth 0 asks for memory first: wait for the forward's last copies so their
   // sources leave the device before backward allocates.
-  absl::Status DrainForwardCopies() {
+  absl::Status DrainForwardCopies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (GroupId gid : d2h_inflight) {
       auto it = groups.find(gid);
       if (it != groups.end() && it->second.d2h_done) {
@@ -453,7 +466,7 @@ struct OffloadEngine::Impl {
   // Issues H2D for the entries of `gid` that need it, or for `only` (a retained graph's
   // second restore of one entry).
   absl::Status IssueRestore(GroupId gid, StreamHandle compute, bool prefetch,
-                            EntryId only = 0) {
+                            EntryId only = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     Group& group = groups.at(gid);
     CKPT_RETURN_IF_ERROR(TrackUntrackedD2H(gid, group));
     ReclaimHeldSources(group);  // no entry of `group` is kOffloading after this
@@ -511,7 +524,7 @@ struct OffloadEngine::Impl {
   }
 
   // Makes sure the next prefetch_depth offloaded groups below `gid` are being restored.
-  absl::Status Prefetch(GroupId gid, StreamHandle compute) {
+  absl::Status Prefetch(GroupId gid, StreamHandle compute) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     int counted = 0;
     for (auto it = std::make_reverse_iterator(groups.lower_bound(gid));
          it != groups.rend() && counted < options.prefetch_depth; ++it) {
@@ -530,7 +543,7 @@ struct OffloadEngine::Impl {
   // Groups that never got an entry are otherwise never erased (only EraseEntry and Poll
   // look at a group again); without this sweep every step would leave them behind and
   // Prefetch's scan below each acquired group would keep growing.
-  void EraseEmptyGroups() {
+  void EraseEmptyGroups() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (auto it = groups.begin(); it != groups.end();) {
       if (it->second.entries.empty() && MayErase(it->second)) {
         SetGroupState(it->second, GroupState::kGone);
@@ -546,7 +559,7 @@ struct OffloadEngine::Impl {
     return group.state == GroupState::kKept || group.state == GroupState::kCopyStarted;
   }
 
-  void MaybeEraseGroup(GroupId gid) {
+  void MaybeEraseGroup(GroupId gid) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = groups.find(gid);
     if (it == groups.end() || !it->second.entries.empty()) return;
     if (!MayErase(it->second)) return;
@@ -557,7 +570,7 @@ struct OffloadEngine::Impl {
     groups.erase(it);
   }
 
-  void EraseEntry(EntryId id) {
+  void EraseEntry(EntryId id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     auto it = entries.find(id);
     if (it == entries.end()) return;
     GroupId gid = it->second.group;
@@ -570,13 +583,13 @@ struct OffloadEngine::Impl {
     MaybeEraseGroup(gid);
   }
 
-  void FreeHostBlock(const HostBlock& block) {
+  void FreeHostBlock(const HostBlock& block) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     device->OnHostBlockFreed(block.data, block.bytes);
     arena.Free(block);
   }
 
   // Settles everything whose events completed. Errors come from event queries.
-  absl::Status Poll() {
+  absl::Status Poll() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     while (!d2h_inflight.empty()) {
       GroupId gid = d2h_inflight.front();
       auto git = groups.find(gid);
@@ -652,12 +665,12 @@ struct OffloadEngine::Impl {
     return absl::OkStatus();
   }
 
-  void DropRestore(const DeferredRestoreDrop& drop) {
+  void DropRestore(const DeferredRestoreDrop& drop) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     SubHeld(drop.bytes);
     client->DropRestore(drop.entry, drop.data);
   }
 
-  absl::Status SynchronizeLocked() {
+  absl::Status SynchronizeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     absl::Status first = absl::OkStatus();
     auto wait = [&](const EventPtr& event) {
       if (!event || event->known_done) return;
@@ -716,8 +729,8 @@ OffloadEngine::~OffloadEngine() {
 }
 
 absl::StatusOr<GroupId> OffloadEngine::BeginGroup(StreamHandle compute) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   s.LeaveBackward();
   // The groups that fall out of the keep_last window once this one joins it start their
@@ -737,8 +750,8 @@ absl::StatusOr<GroupId> OffloadEngine::BeginGroup(StreamHandle compute) {
 }
 
 absl::StatusOr<GroupId> OffloadEngine::BeginEagerGroup() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   s.LeaveBackward();
   GroupId gid = s.next_group++;
@@ -749,8 +762,8 @@ absl::StatusOr<GroupId> OffloadEngine::BeginEagerGroup() {
 }
 
 absl::Status OffloadEngine::PrefetchGroup(GroupId gid, StreamHandle compute) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   auto it = s.groups.find(gid);
   if (it == s.groups.end()) return absl::OkStatus();
@@ -761,16 +774,16 @@ absl::Status OffloadEngine::PrefetchGroup(GroupId gid, StreamHandle compute) {
 }
 
 absl::Status OffloadEngine::OffloadPendingGroups(StreamHandle compute) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   if (s.in_backward) return absl::OkStatus();
   return s.OffloadPendingBeyond(0, compute);
 }
 
 absl::Status OffloadEngine::EndForward() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   if (s.in_backward) return absl::OkStatus();
   s.EnterBackward();
@@ -786,8 +799,8 @@ absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
     return absl::InvalidArgumentError(
         absl::StrCat("device_src must not be null (bytes = ", bytes, ")"));
   }
-  std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   auto git = s.groups.find(gid);
   if (git == s.groups.end()) {
@@ -835,8 +848,8 @@ absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
 
 absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
                                                                StreamHandle compute) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
   auto it = s.entries.find(id);
   if (it == s.entries.end() || engine_internal::IsDiscarded(it->second.state)) {
     if (id > 0 && id < s.reset_watermark) {
@@ -885,8 +898,8 @@ absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
 }
 
 bool OffloadEngine::Discard(EntryId id) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
   auto it = s.entries.find(id);
   if (it == s.entries.end() || engine_internal::IsDiscarded(it->second.state)) return false;
   s.Poll().IgnoreError();
@@ -936,8 +949,8 @@ bool OffloadEngine::Discard(EntryId id) {
 }
 
 absl::Status OffloadEngine::Reset() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& s = *impl_;
+  absl::MutexLock lock(&s.mu);
   absl::Status status = s.SynchronizeLocked();
   // Every entry and group is dropped whatever its state (outside the transition table).
   for (auto& [id, entry] : s.entries) {
@@ -965,19 +978,19 @@ absl::Status OffloadEngine::Reset() {
 }
 
 absl::Status OffloadEngine::Synchronize() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  absl::MutexLock lock(&impl_->mu);
   return impl_->SynchronizeLocked();
 }
 
 EngineStats OffloadEngine::stats() const {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  absl::MutexLock lock(&impl_->mu);
   EngineStats stats = impl_->counters;
   stats.arena = impl_->arena.stats();
   return stats;
 }
 
 void OffloadEngine::ResetStats() {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  absl::MutexLock lock(&impl_->mu);
   const size_t held = impl_->counters.device_held_bytes;
   impl_->counters = EngineStats{};
   impl_->counters.device_held_bytes = held;
@@ -992,7 +1005,7 @@ HostArena& OffloadEngine::arena() { return impl_->arena; }
 namespace engine_internal {
 
 std::optional<EntryState> EngineTestPeer::StateOf(const OffloadEngine& engine, EntryId entry) {
-  std::lock_guard<std::mutex> lock(engine.impl_->mu);
+  absl::MutexLock lock(&engine.impl_->mu);
   auto it = engine.impl_->entries.find(entry);
   if (it == engine.impl_->entries.end()) return std::nullopt;
   return it->second.state;
@@ -1000,7 +1013,7 @@ std::optional<EntryState> EngineTestPeer::StateOf(const OffloadEngine& engine, E
 
 std::optional<GroupState> EngineTestPeer::GroupStateOf(const OffloadEngine& engine,
                                                        GroupId group) {
-  std::lock_guard<std::mutex> lock(engine.impl_->mu);
+  absl::MutexLock lock(&engine.impl_->mu);
   auto it = engine.impl_->groups.find(group);
   if (it == engine.impl_->groups.end()) return std::nullopt;
   return it->second.state;
