@@ -41,7 +41,8 @@ PACKAGE_DIRS = {
 }
 
 # What the sources include from abseil, as pkg-config modules and as CMake targets.
-ABSL_PKG_CONFIG_MODULES = ("absl_status", "absl_statusor", "absl_strings", "absl_str_format")
+ABSL_PKG_CONFIG_MODULES = ("absl_status", "absl_statusor", "absl_strings", "absl_str_format",
+                           "absl_synchronization")
 ABSL_CMAKE_TARGETS = tuple(m.replace("absl_", "absl::", 1) for m in ABSL_PKG_CONFIG_MODULES)
 ABSL_PREFIX_ENV = "CKPT_OFFLOAD_ABSL_PREFIX"
 INSTALL_HINT = (

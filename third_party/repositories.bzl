@@ -167,6 +167,7 @@ def _system_libs_impl(repository_ctx):
         "absl_statusor",
         "absl_strings",
         "absl_str_format",
+        "absl_synchronization",
         "absl_flags",
         "absl_flags_parse",
         "absl_time",

@@ -29,6 +29,17 @@
 //   operation" error when it moved.
 // - The compute stream is read at every call (the current CUDA stream), never cached.
 // - After Reset() (an exception in the step), unpacking an earlier PackedTensor throws.
+//
+// Thread-safety and lock order. Pack and Unpack may run on different threads (autograd's
+// backward threads), and the engine calls back from whichever thread made an engine call.
+// Locks are taken in this order, never the reverse:
+//   1. TensorOffloader::engine_mu_   the engine's creation, the open group, the head policy
+//   2. OffloadedStorage::mu_         one storage's restore and head-candidate state
+//   3. OffloadEngine's own lock      inside every engine call
+//   4. TensorOffloader::tensors_mu_  what the offloader holds for the engine (the engine's
+//                                    callbacks take it under 3)
+// Paths that run under 2 or 3 (restores, discards, the engine's callbacks) never take
+// engine_mu_: they reach the engine through engine_published_, set once it exists.
 #ifndef CKPT_OFFLOAD_TORCH_PLUGIN_CSRC_TENSOR_OFFLOADER_H_
 #define CKPT_OFFLOAD_TORCH_PLUGIN_CSRC_TENSOR_OFFLOADER_H_
 
@@ -37,12 +48,13 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/synchronization/mutex.h"
 #include "offload_core/device.h"
 #include "offload_core/engine.h"
 #include "torch_plugin/csrc/head_policy.h"
@@ -110,11 +122,11 @@ class OffloadedStorage {
   // span to the engine and returns its entry, or 0 when the engine keeps nothing (the
   // storage stays held). Returns that entry; 0 too when this is no longer held.
   template <typename OfferFn>  // EntryId(const c10::Storage& source, int64_t begin, int64_t end)
-  EntryId OfferHeld(OfferFn offer);
+  EntryId OfferHeld(OfferFn offer) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The storage holding the span: the live source (kept resident) or a restored copy.
   // `span_begin_bytes` tells where the span starts inside it.
-  c10::Storage Restore(int64_t* span_begin_bytes);
+  c10::Storage Restore(int64_t* span_begin_bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Whether [begin, end) of the source storage lies within this span.
   bool Covers(int64_t begin, int64_t end) const {
@@ -124,7 +136,8 @@ class OffloadedStorage {
 
  private:
   std::shared_ptr<TensorOffloader> owner_;
-  EntryId entry_;
+  absl::Mutex mu_;
+  EntryId entry_ ABSL_GUARDED_BY(mu_);  // 0 while a head candidate is held
   // A weak reference keeps the StorageImpl's address from being reused while this lives,
   // so the address is a safe key for spotting other views of the same storage.
   c10::weak_intrusive_ptr<c10::StorageImpl> source_;
@@ -132,20 +145,20 @@ class OffloadedStorage {
   int64_t span_begin_bytes_;
   int64_t span_end_bytes_;
   at::Device device_;
-  std::mutex mu_;
-  c10::weak_intrusive_ptr<c10::StorageImpl> restored_{c10::intrusive_ptr<c10::StorageImpl>()};
+  c10::weak_intrusive_ptr<c10::StorageImpl> restored_ ABSL_GUARDED_BY(mu_){
+      c10::intrusive_ptr<c10::StorageImpl>()};
   // A head candidate not (yet) handed to the engine (entry_ == 0) holds its storage here.
-  c10::Storage held_;
+  c10::Storage held_ ABSL_GUARDED_BY(mu_);
   // Head tensors are often saved twice (an RMSNorm's float32 input, by pow and by mul),
   // and the first use's restore is gone before the second use: a head storage keeps its
   // restore until its last saved-tensor handle dies, as the tensor itself would live.
-  bool keep_restore_ = false;
-  c10::Storage kept_restore_;
+  bool keep_restore_ ABSL_GUARDED_BY(mu_) = false;
+  c10::Storage kept_restore_ ABSL_GUARDED_BY(mu_);
 };
 
 template <typename OfferFn>
 EntryId OffloadedStorage::OfferHeld(OfferFn offer) {
-  std::lock_guard<std::mutex> lock(mu_);
+  absl::MutexLock lock(&mu_);
   if (entry_ != 0 || !held_) return 0;
   const EntryId entry = offer(held_, span_begin_bytes_, span_end_bytes_);
   if (entry == 0) return 0;
@@ -196,21 +209,22 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
 
   // Starts a checkpoint group whose saved inputs are `inputs` (marks them for scope
   // kCheckpointInputs). EndGroup() clears the marks once the checkpoint call returned.
-  void BeginGroup(const std::vector<at::Tensor>& inputs);
-  void EndGroup();
+  void BeginGroup(const std::vector<at::Tensor>& inputs)
+      ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  void EndGroup() ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
 
   // Autograd's saved-tensor hooks. Pack returns `kept` for a tensor that stays where it
   // is; it comes back through UnpackKept. Both Unpacks throw autograd's in-place error
   // when the tensor was modified since Pack.
-  SavedTensor Pack(const at::Tensor& tensor);
-  at::Tensor Unpack(const PackedTensor& packed);
-  at::Tensor UnpackKept(const KeptTensor& kept);
+  SavedTensor Pack(const at::Tensor& tensor) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  at::Tensor Unpack(const PackedTensor& packed) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  at::Tensor UnpackKept(const KeptTensor& kept) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
 
   // A tensor the caller keeps without asking Pack (a Python tensor subclass such as
   // nn.Parameter, held by the caller as `held`); it may still trigger head tensors saved
   // before it. NoteUnpackForeign(held) is its unpack.
-  void PackForeign(const at::Tensor& held);
-  void NoteUnpackForeign(const at::Tensor& held);
+  void PackForeign(const at::Tensor& held) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  void NoteUnpackForeign(const at::Tensor& held) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
 
   // Why `tensor` would not be offloaded, or empty when it would (ignores marking).
   std::string IneligibleReason(const at::Tensor& tensor) const;
@@ -218,15 +232,17 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   // A new training step begins (the context's entry). A forward that saw no backward (a
   // dropped loss, an evaluation with grad enabled) ends here: its copies are drained, so
   // the device memory of whatever its graph released is free, and its head state is gone.
-  void BeginStep();
-  void Reset();        // throws c10::Error with the device's text when draining failed
-  void Synchronize();  // settles in-flight copies and figures
-  OffloaderStats stats() const;
-  void ResetStats();
+  void BeginStep() ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  // Throws c10::Error with the device's text when draining failed.
+  void Reset() ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  // Settles in-flight copies and figures.
+  void Synchronize() ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  OffloaderStats stats() const ABSL_LOCKS_EXCLUDED(engine_mu_);
+  void ResetStats() ABSL_LOCKS_EXCLUDED(engine_mu_);
   const OffloaderConfig& config() const { return config_; }
-  bool has_engine() const;
+  bool has_engine() const ABSL_LOCKS_EXCLUDED(engine_mu_);
   // Host-arena cap, changeable between steps.
-  void SetHostMemoryLimit(uint64_t bytes);
+  void SetHostMemoryLimit(uint64_t bytes) ABSL_LOCKS_EXCLUDED(engine_mu_);
 
  private:
   friend class OffloadedStorage;
@@ -234,19 +250,26 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
 
   // OffloadEngine::Client (called with the engine's lock held).
   void ReleaseSource(EntryId entry, SourceToken source) override;
-  absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) override;
-  void DropRestore(EntryId entry, void* data) override;
+  absl::StatusOr<void*> AllocateRestore(EntryId entry, size_t bytes) override
+      ABSL_LOCKS_EXCLUDED(tensors_mu_);
+  void DropRestore(EntryId entry, void* data) override ABSL_LOCKS_EXCLUDED(tensors_mu_);
   // A source under a fresh token, before OfferEntry; UnfileSource when the engine did not
   // take it (the offer failed, or the entry stays resident).
   SourceToken FileSource(const c10::Storage& storage);
   void UnfileSource(SourceToken token);
 
   // The engine for `device`, created on first use.
-  OffloadEngine* EngineFor(const at::Device& device);
+  OffloadEngine* EngineFor(const at::Device& device) ABSL_EXCLUSIVE_LOCKS_REQUIRED(engine_mu_);
+  // The engine once it exists (null before), for paths that may not take engine_mu_.
+  OffloadEngine* PublishedEngine() const {
+    return engine_published_.load(std::memory_order_acquire);
+  }
   StreamHandle ComputeStream(const at::Device& device) const;
   bool MatchesBackend(const at::Tensor& tensor) const;
-  void Discard(EntryId entry, const c10::StorageImpl* key);
-  c10::Storage AcquireStorage(EntryId entry, const at::Device& device, bool* resident);
+  // For OffloadedStorage, under its mu_ (AcquireStorage) or anywhere its last handle dies.
+  void Discard(EntryId entry, const c10::StorageImpl* key) ABSL_LOCKS_EXCLUDED(tensors_mu_);
+  c10::Storage AcquireStorage(EntryId entry, const at::Device& device, bool* resident)
+      ABSL_LOCKS_EXCLUDED(tensors_mu_);
 
   // Head (HeadPolicy decides). PackUngrouped handles a tensor saved outside any group in
   // scope kCheckpointInputs; OfferHeadLocked hands a candidate to the engine as an eager
@@ -254,53 +277,66 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   // is keyed by its KeptTensor's (or a foreign tensor's) TensorImpl, a packed one by its
   // OffloadedStorage: both live as long as the saved handle.
   bool HeadRelevant(const at::Tensor& tensor) const;  // may be a candidate or trigger
-  SavedTensor PackUngrouped(const at::Tensor& tensor);
+  SavedTensor PackUngrouped(const at::Tensor& tensor)
+      ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   SavedTensor Keep(const at::Tensor& tensor);
   // Registers the head groups `tensor` triggers (if any) under `trigger_key`; returns
   // the candidate `tensor` became, or null.
   std::shared_ptr<OffloadedStorage> OfferHeadAndTrigger(const at::Tensor& tensor,
                                                         bool may_offload,
-                                                        std::vector<GroupId>* triggered);
-  void RegisterTrigger(const void* trigger_key, std::vector<GroupId> groups);
-  GroupId OfferHeadLocked(OffloadedStorage& candidate);
-  void StartForwardLocked();
+                                                        std::vector<GroupId>* triggered)
+      ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  void RegisterTrigger(const void* trigger_key, std::vector<GroupId> groups)
+      ABSL_LOCKS_EXCLUDED(engine_mu_);
+  GroupId OfferHeadLocked(OffloadedStorage& candidate) ABSL_EXCLUSIVE_LOCKS_REQUIRED(engine_mu_);
+  void StartForwardLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(engine_mu_);
   // Backward began (first unpack after a forward): EndForward. Then a trigger's groups.
-  void NoteUnpack(const void* trigger_key);
+  void NoteUnpack(const void* trigger_key) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  // HeadPolicy::MayHaveTriggers, which reads an atomic: safe without engine_mu_.
+  bool MayHaveHeadTriggers() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    return head_.MayHaveTriggers();
+  }
   std::shared_ptr<PackedTensor> SharedView(const at::Tensor& tensor, int64_t begin,
-                                           int64_t end);
+                                           int64_t end) ABSL_LOCKS_EXCLUDED(tensors_mu_);
   SavedTensor Skip(const at::Tensor& tensor);
 
   OffloaderConfig config_;  // host_memory_limit may change between steps
 
   // Engine state; created lazily on the first offloadable tensor's device.
-  mutable std::mutex engine_mu_;
-  std::unique_ptr<Device> device_;
-  std::unique_ptr<OffloadEngine> engine_;
+  mutable absl::Mutex engine_mu_;
+  std::unique_ptr<Device> device_ ABSL_GUARDED_BY(engine_mu_);
+  std::unique_ptr<OffloadEngine> engine_ ABSL_GUARDED_BY(engine_mu_);
+  // engine_ for readers that may not take engine_mu_ (see the lock order), and the device
+  // it restores to. Both are written once, before the engine's first call, and stay until
+  // the destructor: the release store of engine_published_ publishes engine_device_.
+  std::atomic<OffloadEngine*> engine_published_{nullptr};
   at::Device engine_device_{at::kCPU};
-  bool group_open_ = false;
-  GroupId group_ = 0;
+  bool group_open_ ABSL_GUARDED_BY(engine_mu_) = false;
+  GroupId group_ ABSL_GUARDED_BY(engine_mu_) = 0;
   // The first tensor kept on the device because the host arena refused memory (cap reached
   // or host allocation failed) is reported with one warning per offloader; the checks stop
   // once it was given. Guarded by engine_mu_.
-  bool warned_fallback_ = false;
-  void WarnOnFirstFallback(OffloadEngine* engine);
+  bool warned_fallback_ ABSL_GUARDED_BY(engine_mu_) = false;
+  void WarnOnFirstFallback(OffloadEngine* engine) ABSL_EXCLUSIVE_LOCKS_REQUIRED(engine_mu_);
 
   // The forward/backward turn and the head. forward_open_: a group began since the last
   // forward's end (the first unpack after it). head_ is guarded by engine_mu_.
   std::atomic<bool> forward_open_{false};
-  HeadPolicy head_;
+  HeadPolicy head_ ABSL_GUARDED_BY(engine_mu_);
 
   // Tensors owned on the engine's behalf (guarded by tensors_mu_; taken inside engine calls).
-  std::mutex tensors_mu_;
+  absl::Mutex tensors_mu_ ABSL_ACQUIRED_AFTER(engine_mu_);
   // Sources by storage: an at::Tensor would hold its grad_fn, and with it the graph.
   // Filed under their token before OfferEntry (a ReleaseSource can come before it
   // returns), until ReleaseSource or Discard; source_tokens_ from the offer's return.
-  std::unordered_map<SourceToken, c10::Storage> sources_;
-  std::unordered_map<EntryId, SourceToken> source_tokens_;
-  SourceToken next_source_token_ = 1;
-  std::unordered_map<EntryId, at::Tensor> restores_;  // until acquired or dropped
-  std::unordered_map<const c10::StorageImpl*, std::weak_ptr<OffloadedStorage>> by_storage_;
-  std::unordered_set<const c10::TensorImpl*> marked_;
+  std::unordered_map<SourceToken, c10::Storage> sources_ ABSL_GUARDED_BY(tensors_mu_);
+  std::unordered_map<EntryId, SourceToken> source_tokens_ ABSL_GUARDED_BY(tensors_mu_);
+  SourceToken next_source_token_ ABSL_GUARDED_BY(tensors_mu_) = 1;
+  // Until acquired or dropped.
+  std::unordered_map<EntryId, at::Tensor> restores_ ABSL_GUARDED_BY(tensors_mu_);
+  std::unordered_map<const c10::StorageImpl*, std::weak_ptr<OffloadedStorage>> by_storage_
+      ABSL_GUARDED_BY(tensors_mu_);
+  std::unordered_set<const c10::TensorImpl*> marked_ ABSL_GUARDED_BY(tensors_mu_);
 
   std::atomic<int64_t> packed_{0};
   std::atomic<int64_t> skipped_{0};
