@@ -22,9 +22,10 @@ copies and pickles; the compiled loss function copies and pickles as the functio
 
 from __future__ import annotations
 
+import logging
 import operator
 import sys
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -42,7 +43,14 @@ class CompiledRegions:
     compiled after remove()."""
 
     def __init__(self, model: nn.Module, options: Dict[str, Any]):
-        self.options = dict(options)
+        self.options, dropped = _without_cuda_graphs(options)
+        if dropped:
+            tell_once(
+                "ckpt_offload.hf: the compiled regions are built without CUDA graphs (asked "
+                "for by mode='reduce-overhead' or 'max-autotune'): a CUDA graph keeps its "
+                "outputs in its own memory pool, so moving layer inputs to host memory would "
+                "free no device memory. mode='max-autotune-no-cudagraphs' keeps max-autotune's "
+                "kernel tuning.")
         self.modules: List[nn.Module] = []
         # (PreTrainedModel, its `_loss_function` before, or _MISSING)
         self._losses: List[tuple] = []
@@ -73,6 +81,45 @@ class CompiledRegions:
                 else:
                     owner.__dict__["_loss_function"] = before
         self._losses.clear()
+
+
+_told: set = set()
+_logger = logging.getLogger("ckpt_offload.hf")
+
+
+def tell_once(message: str) -> None:
+    """Logs `message` as a warning the first time it is said in this process."""
+    if message not in _told:
+        _told.add(message)
+        _logger.warning(message)
+
+
+def _without_cuda_graphs(options: Dict[str, Any]) -> Tuple[Dict[str, Any], bool]:
+    """torch.compile `options` with CUDA graphs taken out, and whether any were asked for."""
+    options = dict(options)
+    backend = options.get("backend")
+    config = getattr(backend, "config", None)
+    if getattr(backend, "compiler_name", "") == "inductor" and isinstance(config, dict):
+        # The inductor backend of a torch.compile call: its mode is already in `config`.
+        if not config.get("triton.cudagraphs"):
+            return options, False
+        options.update(backend="inductor", dynamic=getattr(backend, "dynamic", None),
+                       options={k: v for k, v in config.items() if k != "triton.cudagraphs"})
+        return options, True
+    mode = options.get("mode")
+    if mode in _NO_CUDA_GRAPHS_MODE:
+        options["mode"] = _NO_CUDA_GRAPHS_MODE[mode]
+        return options, True
+    inductor_options = options.get("options")
+    if isinstance(inductor_options, dict) and inductor_options.get("triton.cudagraphs"):
+        options["options"] = {k: v for k, v in inductor_options.items()
+                              if k != "triton.cudagraphs"}
+        return options, True
+    return options, False
+
+
+_NO_CUDA_GRAPHS_MODE = {"reduce-overhead": "default",
+                        "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def compile_regions(model: nn.Module, **options) -> CompiledRegions:

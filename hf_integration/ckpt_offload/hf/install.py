@@ -46,12 +46,12 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 import ckpt_offload
 from ckpt_offload import STAT_KEYS, OffloadConfig
 from ckpt_offload.config import make_config
-from ckpt_offload.hf.compile import CompiledRegions, backend_of, enclosing_compiled_module
+from ckpt_offload.hf.compile import (
+    CompiledRegions, backend_of, enclosing_compiled_module, tell_once)
 
 logger = logging.getLogger("ckpt_offload.hf")
 
 _MISSING = object()
-_told_regional = False  # the regional-compile notice is logged once per process
 
 # Attributes that gradient checkpointing sets on modules; saved before and restored after.
 _CHECKPOINTING_ATTRS = (
@@ -332,18 +332,15 @@ class OffloadHandle:
         backend = backend_of(optimized)
         self.regions = CompiledRegions(self.model, {} if backend is None else
                                        {"backend": backend})
-        global _told_regional
-        if not _told_regional:
-            _told_regional = True
-            logger.warning(
-                "ckpt_offload.hf: torch.compile(model) with activation offload compiles the "
-                "model region by region: %d checkpointed layers, the norms outside them and "
-                "the loss function, with the same backend and options; the offload boundary "
-                "between layers runs eagerly (one whole-model graph would need every "
-                "offloaded input back at once, and would break at every layer). Nothing to "
-                "do; to choose the options yourself, pass "
-                "enable_activation_offload(model, compile={...}) and skip torch.compile.",
-                sum(isinstance(m, GradientCheckpointingLayer) for m in self.regions.modules))
+        layers = sum(isinstance(m, GradientCheckpointingLayer) for m in self.regions.modules)
+        tell_once(
+            f"ckpt_offload.hf: torch.compile(model) with activation offload compiles the "
+            f"model region by region: {layers} checkpointed layers, the norms outside them "
+            f"and the loss function, with the same backend and options; the offload "
+            f"boundary between layers runs eagerly (one whole-model graph would need every "
+            f"offloaded input back at once, and would break at every layer). Nothing to "
+            f"do; to choose the options yourself, pass "
+            f"enable_activation_offload(model, compile={{...}}) and skip torch.compile.")
 
     # Figures.
 
