@@ -269,9 +269,9 @@ def test_off_does_nothing(assets, tmp_path, mode):
 # `axolotl train` end to end.
 
 
-def axolotl_train(assets, tmp_path, name, **extra):
+def axolotl_train(assets, tmp_path, name, env_extra=None, **extra):
     """Runs `axolotl train config.yml` (its default accelerate launcher); returns the printed
-    step logs and the trained weights."""
+    step logs and the trained weights. `env_extra`: more environment for the run."""
     run_dir = tmp_path / name
     run_dir.mkdir()
     config = run_dir / "config.yml"
@@ -283,7 +283,7 @@ def axolotl_train(assets, tmp_path, name, **extra):
                TRITON_CACHE_DIR=str(caches / "triton"), WANDB_MODE="disabled",
                WANDB_DIR=str(caches), AXOLOTL_DO_NOT_TRACK="1", DO_NOT_TRACK="1",
                HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false")
+               CUDA_VISIBLE_DEVICES="", TOKENIZERS_PARALLELISM="false", **(env_extra or {}))
     result = subprocess.run(["axolotl", "train", str(config)], cwd=run_dir, env=env,
                             capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
@@ -336,3 +336,29 @@ def test_axolotl_train_lora_with_gradient_accumulation(assets, tmp_path):
         assert float(log["offload/offloaded_tensors"]) == 2 * LAYERS
         assert float(log["offload/kept_resident_tensors"]) == 0
     assert any("lora_A" in name for name in adapter_weights)
+
+
+def test_axolotl_torch_compile_is_regional_without_graph_breaks(assets, tmp_path):
+    """`torch_compile: true` with the plugin: the Trainer's whole-model compile becomes a
+    regional one, dynamo logs no graph break, and training is bit-identical to the same
+    compiled run in which nothing leaves the device (every layer kept, head not offloaded)."""
+    common = dict(torch_compile=True, activation_offloading=True, ckpt_offload_backend="host",
+                  ckpt_offload_min_offload_bytes=0, env_extra={"TORCH_LOGS": "graph_breaks"})
+    kept_logs, kept_weights, kept_output = axolotl_train(
+        assets, tmp_path, "kept", ckpt_offload_keep_last=LAYERS,
+        ckpt_offload_head=False, **common)
+    logs, weights, output = axolotl_train(assets, tmp_path, "offload",
+                                          ckpt_offload_keep_last=1, **common)
+
+    for text in (output, kept_output):
+        assert "compiles the model region by region: 4 checkpointed layers" in text
+        assert "Graph break" not in text, text[text.find("Graph break") - 2000:][:6000]
+    assert len(logs) == len(kept_logs) == 4
+    assert [log["loss"] for log in logs] == [log["loss"] for log in kept_logs]
+    for log, kept in zip(logs, kept_logs):
+        assert float(log["offload/offloaded_tensors"]) == LAYERS
+        assert float(kept["offload/offloaded_tensors"]) == 0
+        assert float(kept["offload/kept_resident_tensors"]) == LAYERS
+    assert weights.keys() == kept_weights.keys()
+    for name in weights:
+        assert torch.equal(weights[name], kept_weights[name]), name
