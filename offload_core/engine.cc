@@ -17,13 +17,13 @@
 #include <cstdlib>
 #include <deque>
 #include <map>
+#include <mutex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "absl/synchronization/mutex.h"
 #include "offload_core/engine_states.h"
 #include "offload_core/status_macros.h"
 
@@ -70,6 +70,31 @@ namespace {
 
 using engine_internal::EntryState;
 using engine_internal::GroupState;
+
+// The engine's lock: a std::mutex carrying the thread-safety annotations absl::Mutex has.
+// absl::Mutex itself would hide the engine's ordering from TSan: the system abseil is not
+// built with it, so every guarded access would read as a race.
+class ABSL_LOCKABLE EngineMutex {
+ public:
+  void Lock() ABSL_EXCLUSIVE_LOCK_FUNCTION() { mu_.lock(); }
+  void Unlock() ABSL_UNLOCK_FUNCTION() { mu_.unlock(); }
+
+ private:
+  std::mutex mu_;
+};
+
+class ABSL_SCOPED_LOCKABLE EngineLock {
+ public:
+  explicit EngineLock(EngineMutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) {
+    mu_->Lock();
+  }
+  ~EngineLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
+  EngineLock(const EngineLock&) = delete;
+  EngineLock& operator=(const EngineLock&) = delete;
+
+ private:
+  EngineMutex* mu_;
+};
 
 // Device events are recycled: creating and destroying one per use would double the device
 // calls on the per-tensor paths (and cudaEventCreate/cudaEventDestroy are not free).
@@ -186,7 +211,7 @@ struct OffloadEngine::Impl {
 
   // The engine's one lock (engine.h: lock order). `arena` locks itself; `device`, `client`
   // and `options` do not change after construction.
-  mutable absl::Mutex mu;
+  mutable EngineMutex mu;
   std::unordered_map<EntryId, Entry> entries ABSL_GUARDED_BY(mu);
   std::map<GroupId, Group> groups ABSL_GUARDED_BY(mu);
   // kInWindow groups, oldest first (the order the window lets them go).
@@ -256,7 +281,7 @@ struct OffloadEngine::Impl {
     group.state = to;
   }
 
-  // Hands the source back to the caller; `entry` just left a state that held it.
+  // Hands the source back to the caller: `entry` is leaving a state that holds it.
   void ReleaseSourceOf(EntryId id, const Entry& entry) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     device->OnDeviceSourceReleased(entry.source, entry.bytes);
     client->ReleaseSource(id, entry.source_token);
@@ -730,7 +755,7 @@ OffloadEngine::~OffloadEngine() {
 
 absl::StatusOr<GroupId> OffloadEngine::BeginGroup(StreamHandle compute) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  EngineLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   s.LeaveBackward();
   // The groups that fall out of the keep_last window once this one joins it start their
@@ -751,7 +776,7 @@ absl::StatusOr<GroupId> OffloadEngine::BeginGroup(StreamHandle compute) {
 
 absl::StatusOr<GroupId> OffloadEngine::BeginEagerGroup() {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  EngineLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   s.LeaveBackward();
   GroupId gid = s.next_group++;
@@ -763,7 +788,7 @@ absl::StatusOr<GroupId> OffloadEngine::BeginEagerGroup() {
 
 absl::Status OffloadEngine::PrefetchGroup(GroupId gid, StreamHandle compute) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  EngineLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   auto it = s.groups.find(gid);
   if (it == s.groups.end()) return absl::OkStatus();
@@ -775,7 +800,7 @@ absl::Status OffloadEngine::PrefetchGroup(GroupId gid, StreamHandle compute) {
 
 absl::Status OffloadEngine::OffloadPendingGroups(StreamHandle compute) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  EngineLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   if (s.in_backward) return absl::OkStatus();
   return s.OffloadPendingBeyond(0, compute);
@@ -783,7 +808,7 @@ absl::Status OffloadEngine::OffloadPendingGroups(StreamHandle compute) {
 
 absl::Status OffloadEngine::EndForward() {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  EngineLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   if (s.in_backward) return absl::OkStatus();
   s.EnterBackward();
@@ -800,7 +825,7 @@ absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
         absl::StrCat("device_src must not be null (bytes = ", bytes, ")"));
   }
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  EngineLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   auto git = s.groups.find(gid);
   if (git == s.groups.end()) {
@@ -849,7 +874,7 @@ absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
 absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
                                                                StreamHandle compute) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  EngineLock lock(&s.mu);
   auto it = s.entries.find(id);
   if (it == s.entries.end() || engine_internal::IsDiscarded(it->second.state)) {
     if (id > 0 && id < s.reset_watermark) {
@@ -899,7 +924,7 @@ absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
 
 bool OffloadEngine::Discard(EntryId id) {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  EngineLock lock(&s.mu);
   auto it = s.entries.find(id);
   if (it == s.entries.end() || engine_internal::IsDiscarded(it->second.state)) return false;
   s.Poll().IgnoreError();
@@ -950,7 +975,7 @@ bool OffloadEngine::Discard(EntryId id) {
 
 absl::Status OffloadEngine::Reset() {
   Impl& s = *impl_;
-  absl::MutexLock lock(&s.mu);
+  EngineLock lock(&s.mu);
   absl::Status status = s.SynchronizeLocked();
   // Every entry and group is dropped whatever its state (outside the transition table).
   for (auto& [id, entry] : s.entries) {
@@ -978,19 +1003,19 @@ absl::Status OffloadEngine::Reset() {
 }
 
 absl::Status OffloadEngine::Synchronize() {
-  absl::MutexLock lock(&impl_->mu);
+  EngineLock lock(&impl_->mu);
   return impl_->SynchronizeLocked();
 }
 
 EngineStats OffloadEngine::stats() const {
-  absl::MutexLock lock(&impl_->mu);
+  EngineLock lock(&impl_->mu);
   EngineStats stats = impl_->counters;
   stats.arena = impl_->arena.stats();
   return stats;
 }
 
 void OffloadEngine::ResetStats() {
-  absl::MutexLock lock(&impl_->mu);
+  EngineLock lock(&impl_->mu);
   const size_t held = impl_->counters.device_held_bytes;
   impl_->counters = EngineStats{};
   impl_->counters.device_held_bytes = held;
@@ -1005,7 +1030,7 @@ HostArena& OffloadEngine::arena() { return impl_->arena; }
 namespace engine_internal {
 
 std::optional<EntryState> EngineTestPeer::StateOf(const OffloadEngine& engine, EntryId entry) {
-  absl::MutexLock lock(&engine.impl_->mu);
+  EngineLock lock(&engine.impl_->mu);
   auto it = engine.impl_->entries.find(entry);
   if (it == engine.impl_->entries.end()) return std::nullopt;
   return it->second.state;
@@ -1013,7 +1038,7 @@ std::optional<EntryState> EngineTestPeer::StateOf(const OffloadEngine& engine, E
 
 std::optional<GroupState> EngineTestPeer::GroupStateOf(const OffloadEngine& engine,
                                                        GroupId group) {
-  absl::MutexLock lock(&engine.impl_->mu);
+  EngineLock lock(&engine.impl_->mu);
   auto it = engine.impl_->groups.find(group);
   if (it == engine.impl_->groups.end()) return std::nullopt;
   return it->second.state;

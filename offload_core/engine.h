@@ -83,8 +83,9 @@
 //   Copying             copies complete (or nothing to wait on)    CopyStarted
 //   CopyStarted/Kept    last entry gone                            Gone
 //
-// Thread-safety: every method may be called from any thread. One absl::Mutex guards all
-// engine state (annotated; clang -Wthread-safety checks engine.cc).
+// Thread-safety: every method may be called from any thread. One mutex guards all engine
+// state (annotated with absl's thread-safety attributes; clang -Wthread-safety checks
+// engine.cc).
 // Lock order: caller's locks held across an engine call -> the engine's mutex -> locks
 // taken by Client callbacks (invoked with the engine's mutex held) -> Device and HostArena
 // locks. So a Client callback must not call back into the engine, and a caller must not
