@@ -122,7 +122,7 @@ std::shared_ptr<OffloadedStorage> OffloadedStorage::HeadCandidate(
   auto candidate = std::make_shared<OffloadedStorage>(std::move(owner), /*entry=*/0, source,
                                                       span_begin_bytes, span_end_bytes,
                                                       device);
-  absl::MutexLock lock(&candidate->mu_);
+  MutexLock lock(&candidate->mu_);
   candidate->held_ = source;
   candidate->keep_restore_ = true;
   return candidate;
@@ -131,7 +131,7 @@ std::shared_ptr<OffloadedStorage> OffloadedStorage::HeadCandidate(
 OffloadedStorage::~OffloadedStorage() { owner_->Discard(entry_, key_); }
 
 c10::Storage OffloadedStorage::Restore(int64_t* span_begin_bytes) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (auto restored = restored_.lock()) {
     // Another view of this storage was restored and is still in use: share it.
     *span_begin_bytes = span_begin_bytes_;
@@ -178,7 +178,7 @@ TensorOffloader::TensorOffloader(OffloaderConfig config) : config_(config) {}
 
 TensorOffloader::~TensorOffloader() {
   // Holders keep the offloader alive, so none is left; drain the engine's copies.
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   if (engine_) engine_->Reset().IgnoreError();
 }
 
@@ -254,13 +254,13 @@ OffloadEngine* TensorOffloader::EngineFor(const at::Device& device) {
 
 void TensorOffloader::BeginGroup(const std::vector<at::Tensor>& inputs) {
   {
-    absl::MutexLock lock(&tensors_mu_);
+    MutexLock lock(&tensors_mu_);
     marked_.clear();
     for (const at::Tensor& t : inputs) {
       if (t.defined()) marked_.insert(t.unsafeGetTensorImpl());
     }
   }
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   if (!forward_open_.exchange(true)) StartForwardLocked();
   head_.OnGroupBegin();
   group_open_ = false;
@@ -283,10 +283,10 @@ void TensorOffloader::BeginGroup(const std::vector<at::Tensor>& inputs) {
 
 void TensorOffloader::EndGroup() {
   {
-    absl::MutexLock lock(&tensors_mu_);
+    MutexLock lock(&tensors_mu_);
     marked_.clear();
   }
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   if (group_open_) head_.OnGroupEnd();
   group_open_ = false;
   // keep_last == 0: the group's copies started as its tensors were packed.
@@ -316,7 +316,7 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
   if (config_.scope == Scope::kCheckpointInputs) {
     bool marked = false;
     {
-      absl::MutexLock lock(&tensors_mu_);
+      MutexLock lock(&tensors_mu_);
       marked = marked_.count(tensor.unsafeGetTensorImpl()) > 0;
     }
     if (!marked) return PackUngrouped(tensor);
@@ -331,7 +331,7 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
 
   EntryId entry = 0;
   {
-    absl::MutexLock lock(&engine_mu_);
+    MutexLock lock(&engine_mu_);
     OffloadEngine* engine = EngineFor(tensor.device());
     if (engine == nullptr) return Skip(tensor);  // a second device: left alone
     const StreamHandle compute = ComputeStream(tensor.device());
@@ -360,7 +360,7 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
     }
     entry = offer->entry;
     {
-      absl::MutexLock lock(&tensors_mu_);
+      MutexLock lock(&tensors_mu_);
       source_tokens_.emplace(entry, token);
     }
     if (group_open_) head_.NoteGroupEntry(end - begin);
@@ -368,7 +368,7 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
   auto holder = std::make_shared<OffloadedStorage>(shared_from_this(), entry, storage, begin,
                                                    end, tensor.device());
   {
-    absl::MutexLock lock(&tensors_mu_);
+    MutexLock lock(&tensors_mu_);
     by_storage_[key] = holder;
   }
   return {MakePacked(tensor, begin, std::move(holder)), nullptr};
@@ -381,7 +381,7 @@ c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& de
   TORCH_CHECK(engine != nullptr, "ckpt_offload: restoring ", entry, " without an engine");
   auto acquired = engine->Acquire(entry, ComputeStream(device));
   if (!acquired.ok()) ThrowStatus("restoring a saved tensor", acquired.status());
-  absl::MutexLock lock(&tensors_mu_);
+  MutexLock lock(&tensors_mu_);
   *resident = acquired->resident;
   if (acquired->resident) {
     auto token = source_tokens_.find(entry);
@@ -398,7 +398,7 @@ c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& de
 
 std::shared_ptr<PackedTensor> TensorOffloader::SharedView(const at::Tensor& tensor,
                                                           int64_t begin, int64_t end) {
-  absl::MutexLock lock(&tensors_mu_);
+  MutexLock lock(&tensors_mu_);
   auto it = by_storage_.find(tensor.storage().unsafeGetStorageImpl());
   if (it == by_storage_.end()) return nullptr;
   std::shared_ptr<OffloadedStorage> holder = it->second.lock();
@@ -453,7 +453,7 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
     const at::Tensor& tensor, bool may_offload, std::vector<GroupId>* triggered) {
   std::shared_ptr<OffloadedStorage> candidate;
   {
-    absl::MutexLock lock(&engine_mu_);
+    MutexLock lock(&engine_mu_);
     if (!head_.window_open()) return nullptr;
     // This tensor triggers the candidates before it: copy them out now; backward restores
     // them when it reaches this tensor, right before their own backward.
@@ -478,7 +478,7 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
     }
   }
   if (candidate) {
-    absl::MutexLock lock(&tensors_mu_);
+    MutexLock lock(&tensors_mu_);
     by_storage_[tensor.storage().unsafeGetStorageImpl()] = candidate;
   }
   return candidate;
@@ -486,7 +486,7 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
 
 void TensorOffloader::RegisterTrigger(const void* trigger_key, std::vector<GroupId> groups) {
   if (groups.empty()) return;
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   head_.AddTrigger(trigger_key, std::move(groups));
 }
 
@@ -513,7 +513,7 @@ GroupId TensorOffloader::OfferHeadLocked(OffloadedStorage& candidate) {
       return 0;  // the arena refused: it stays, held by the candidate
     }
     {
-      absl::MutexLock tensors_lock(&tensors_mu_);
+      MutexLock tensors_lock(&tensors_mu_);
       source_tokens_.emplace(offer->entry, token);
     }
     group_id = *group;
@@ -527,7 +527,7 @@ void TensorOffloader::StartForwardLocked() { head_.StartForward(); }
 
 void TensorOffloader::NoteUnpack(const void* trigger_key) {
   if (forward_open_.load(std::memory_order_acquire) && forward_open_.exchange(false)) {
-    absl::MutexLock lock(&engine_mu_);
+    MutexLock lock(&engine_mu_);
     head_.OnBackwardBegin();
     if (engine_) {
       absl::Status ended = engine_->EndForward();
@@ -535,7 +535,7 @@ void TensorOffloader::NoteUnpack(const void* trigger_key) {
     }
   }
   if (!MayHaveHeadTriggers()) return;
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   const std::vector<GroupId> groups = head_.TakeTrigger(trigger_key);
   if (groups.empty() || !engine_) return;
   for (GroupId gid : groups) {
@@ -563,19 +563,19 @@ at::Tensor TensorOffloader::Unpack(const PackedTensor& packed) {
 }
 
 SourceToken TensorOffloader::FileSource(const c10::Storage& storage) {
-  absl::MutexLock lock(&tensors_mu_);
+  MutexLock lock(&tensors_mu_);
   const SourceToken token = next_source_token_++;
   sources_.emplace(token, storage);
   return token;
 }
 
 void TensorOffloader::UnfileSource(SourceToken token) {
-  absl::MutexLock lock(&tensors_mu_);
+  MutexLock lock(&tensors_mu_);
   sources_.erase(token);
 }
 
 void TensorOffloader::ReleaseSource(EntryId, SourceToken source) {
-  absl::MutexLock lock(&tensors_mu_);
+  MutexLock lock(&tensors_mu_);
   sources_.erase(source);
 }
 
@@ -589,20 +589,20 @@ absl::StatusOr<void*> TensorOffloader::AllocateRestore(EntryId entry, size_t byt
         absl::StrCat("allocating ", bytes, " device bytes to restore into: ", error.what()));
   }
   void* data = buffer.data_ptr();
-  absl::MutexLock lock(&tensors_mu_);
+  MutexLock lock(&tensors_mu_);
   restores_[entry] = std::move(buffer);
   return data;
 }
 
 void TensorOffloader::DropRestore(EntryId entry, void*) {
-  absl::MutexLock lock(&tensors_mu_);
+  MutexLock lock(&tensors_mu_);
   restores_.erase(entry);
 }
 
 void TensorOffloader::Discard(EntryId entry, const c10::StorageImpl* key) {
   bool source_needed = false;
   if (OffloadEngine* engine = PublishedEngine()) source_needed = engine->Discard(entry);
-  absl::MutexLock lock(&tensors_mu_);
+  MutexLock lock(&tensors_mu_);
   auto token = source_tokens_.find(entry);
   if (token != source_tokens_.end()) {
     // Still needed: ReleaseSource drops it by its token.
@@ -614,7 +614,7 @@ void TensorOffloader::Discard(EntryId entry, const c10::StorageImpl* key) {
 }
 
 void TensorOffloader::BeginStep() {
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   const bool forward_unfinished = forward_open_.exchange(false);
   StartForwardLocked();
   // The last forward saw no backward (its loss was dropped, or it was only logged): end it
@@ -629,14 +629,14 @@ void TensorOffloader::BeginStep() {
 void TensorOffloader::Reset() {
   absl::Status status = absl::OkStatus();
   {
-    absl::MutexLock lock(&engine_mu_);
+    MutexLock lock(&engine_mu_);
     group_open_ = false;
     forward_open_.store(false);
     StartForwardLocked();
     if (engine_) status = engine_->Reset();
   }
   {
-    absl::MutexLock lock(&tensors_mu_);
+    MutexLock lock(&tensors_mu_);
     marked_.clear();
     restores_.clear();
   }
@@ -644,7 +644,7 @@ void TensorOffloader::Reset() {
 }
 
 void TensorOffloader::Synchronize() {
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   if (!engine_) return;
   absl::Status status = engine_->Synchronize();
   if (!status.ok()) ThrowStatus("synchronizing", status);
@@ -653,7 +653,7 @@ void TensorOffloader::Synchronize() {
 OffloaderStats TensorOffloader::stats() const {
   OffloaderStats stats;
   {
-    absl::MutexLock lock(&engine_mu_);
+    MutexLock lock(&engine_mu_);
     if (engine_) stats.engine = engine_->stats();
     stats.head_kept_tensors = head_.kept_tensors();
   }
@@ -664,7 +664,7 @@ OffloaderStats TensorOffloader::stats() const {
 }
 
 void TensorOffloader::ResetStats() {
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   if (engine_) engine_->ResetStats();
   packed_ = 0;
   skipped_ = 0;
@@ -673,7 +673,7 @@ void TensorOffloader::ResetStats() {
 }
 
 bool TensorOffloader::has_engine() const {
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   return engine_ != nullptr;
 }
 
@@ -693,7 +693,7 @@ void TensorOffloader::WarnOnFirstFallback(OffloadEngine* engine) {
 }
 
 void TensorOffloader::SetHostMemoryLimit(uint64_t bytes) {
-  absl::MutexLock lock(&engine_mu_);
+  MutexLock lock(&engine_mu_);
   config_.host_memory_limit = bytes;
   if (engine_) engine_->arena().SetByteCap(bytes);
 }

@@ -40,6 +40,7 @@
 //                                    callbacks take it under 3)
 // Paths that run under 2 or 3 (restores, discards, the engine's callbacks) never take
 // engine_mu_: they reach the engine through engine_published_, set once it exists.
+// Locks are taken with MutexLock (mutex_lock.h): absl::MutexLock that TSan can see.
 #ifndef CKPT_OFFLOAD_TORCH_PLUGIN_CSRC_TENSOR_OFFLOADER_H_
 #define CKPT_OFFLOAD_TORCH_PLUGIN_CSRC_TENSOR_OFFLOADER_H_
 
@@ -58,6 +59,7 @@
 #include "offload_core/device.h"
 #include "offload_core/engine.h"
 #include "torch_plugin/csrc/head_policy.h"
+#include "torch_plugin/csrc/mutex_lock.h"
 
 namespace torch::autograd {
 struct Node;
@@ -158,7 +160,7 @@ class OffloadedStorage {
 
 template <typename OfferFn>
 EntryId OffloadedStorage::OfferHeld(OfferFn offer) {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (entry_ != 0 || !held_) return 0;
   const EntryId entry = offer(held_, span_begin_bytes_, span_end_bytes_);
   if (entry == 0) return 0;
