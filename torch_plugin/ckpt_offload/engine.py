@@ -172,6 +172,16 @@ class OffloadEngine:
         if self._offloader is not None:
             self._offloader.reset()
 
+    def reserve_host(self, num_bytes: int) -> None:
+        """Grows the host pool up front for steps that offload up to `num_bytes` (the
+        longest a run expects), so that none of them waits for new pinned memory. Before
+        the first step the request is kept and made when the engine starts. Raises
+        ValueError for a bad size, RuntimeError when the pool refuses (host_memory_limit)."""
+        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
+            raise ValueError(f"num_bytes: expected a non-negative int, got {num_bytes!r}")
+        if self._offloader is not None and num_bytes > 0:
+            self._offloader.reserve_host(num_bytes)
+
     def stats(self) -> Dict[str, float]:
         if self._offloader is None:
             return {key: 0 for key in STAT_KEYS}

@@ -238,6 +238,15 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", [](const TensorOffloader& self) { return StatsDict(self.stats()); })
       .def("reset_stats", &TensorOffloader::ResetStats)
       .def("set_host_memory_limit", &TensorOffloader::SetHostMemoryLimit, py::arg("bytes"))
+      .def("reserve_host",
+           [](TensorOffloader& self, uint64_t bytes) {
+             const absl::Status status = self.ReserveHost(bytes);
+             if (!status.ok()) {
+               throw std::runtime_error("ckpt_offload: reserving " + std::to_string(bytes) +
+                                        " bytes of host pool: " + status.ToString());
+             }
+           },
+           py::arg("bytes"))
       .def_property_readonly("has_engine", &TensorOffloader::has_engine);
 
   m.def("cuda_support_compiled", &ckpt_offload::CudaSupportCompiled);

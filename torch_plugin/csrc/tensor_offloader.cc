@@ -249,6 +249,15 @@ OffloadEngine* TensorOffloader::EngineFor(const at::Device& device) {
   engine_ = std::move(*engine);
   engine_device_ = device;
   engine_published_.store(engine_.get(), std::memory_order_release);
+  if (pending_host_reserve_ > 0) {
+    const absl::Status reserved = engine_->ReserveHost(pending_host_reserve_);
+    if (!reserved.ok()) {
+      TORCH_WARN("ckpt_offload: the host pool was not reserved up front (",
+                 pending_host_reserve_, " bytes: ", reserved.ToString(),
+                 "); it grows as steps need it");
+    }
+    pending_host_reserve_ = 0;
+  }
   return engine_.get();
 }
 
@@ -690,6 +699,15 @@ void TensorOffloader::WarnOnFirstFallback(OffloadEngine* engine) {
              "instead of being offloaded. Results are unchanged; device memory use is higher. "
              "stats()['cap_fallbacks'] counts them. Raise host_memory_limit if this is "
              "unexpected. (Warned once per offloader.)");
+}
+
+absl::Status TensorOffloader::ReserveHost(uint64_t bytes) {
+  MutexLock lock(&engine_mu_);
+  if (!engine_) {
+    pending_host_reserve_ = std::max(pending_host_reserve_, bytes);
+    return absl::OkStatus();
+  }
+  return engine_->ReserveHost(bytes);
 }
 
 void TensorOffloader::SetHostMemoryLimit(uint64_t bytes) {

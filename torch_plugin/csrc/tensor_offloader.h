@@ -245,6 +245,12 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   bool has_engine() const ABSL_LOCKS_EXCLUDED(engine_mu_);
   // Host-arena cap, changeable between steps.
   void SetHostMemoryLimit(uint64_t bytes) ABSL_LOCKS_EXCLUDED(engine_mu_);
+  // Grows the host pool up front for `bytes` of offloaded data (what the longest step a
+  // run expects will offload; OffloadEngine::ReserveHost), so that steps up to that size
+  // allocate no pinned memory. Before the first step there is no engine yet: the request
+  // is kept (the largest one) and made when the engine is created, where a refusal is a
+  // warning and the pool grows on demand. Errors: the arena's (over the cap, the backend).
+  absl::Status ReserveHost(uint64_t bytes) ABSL_LOCKS_EXCLUDED(engine_mu_);
 
  private:
   friend class OffloadedStorage;
@@ -308,6 +314,7 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   mutable absl::Mutex engine_mu_;
   std::unique_ptr<Device> device_ ABSL_GUARDED_BY(engine_mu_);
   std::unique_ptr<OffloadEngine> engine_ ABSL_GUARDED_BY(engine_mu_);
+  uint64_t pending_host_reserve_ ABSL_GUARDED_BY(engine_mu_) = 0;  // ReserveHost before it
   // engine_ for readers that may not take engine_mu_ (see the lock order), and the device
   // it restores to. Both are written once, before the engine's first call, and stay until
   // the destructor: the release store of engine_published_ publishes engine_device_.
