@@ -47,14 +47,14 @@ class TokenDataset(Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i].clone()}
 
 
-def training_args(output_dir, **overrides) -> TrainingArguments:
+def training_args(output_dir, args_class=TrainingArguments, **overrides) -> TrainingArguments:
     settings = dict(
         output_dir=str(output_dir), max_steps=4, per_device_train_batch_size=2,
         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True,
         seed=0, dataloader_num_workers=0, gradient_checkpointing=True,
         gradient_checkpointing_kwargs={"use_reentrant": False}, disable_tqdm=True)
     settings.update(overrides)
-    return TrainingArguments(**settings)
+    return args_class(**settings)
 
 
 class Probe(TrainerCallback):

@@ -65,5 +65,11 @@ class ActivationOffloadPlugin(BasePlugin):
                 "trainer, so the plugin's pre_model_load did not run before the model was "
                 "loaded; load the model through Axolotl's ModelLoader with the plugin listed")
         # Ahead of the report_to integrations, so wandb & co. receive the offload/ figures.
-        self.callback = ActivationOffloadCallback(self.offload_config).attach(trainer)
+        # Axolotl's sequence_len bounds every sample (packed or not): the host pool is sized
+        # for its longest micro-batch before the first step.
+        tokens = None
+        if isinstance(cfg.sequence_len, int) and cfg.sequence_len > 0:
+            tokens = cfg.sequence_len * max(1, int(cfg.micro_batch_size or 1))
+        self.callback = ActivationOffloadCallback(
+            self.offload_config, tokens_hint=tokens).attach(trainer)
         LOG.info("ckpt_offload: ActivationOffloadCallback registered")

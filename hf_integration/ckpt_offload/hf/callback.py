@@ -25,6 +25,10 @@ GIB = float(1 << 30)
 
 logger = logging.getLogger("ckpt_offload.hf")
 
+# TrainingArguments fields (of trainers built on it) that bound a sample's length in tokens:
+# TRL's SFTConfig and DPOConfig call it max_length.
+_MAX_LENGTH_ARGS = ("max_length", "max_seq_length")
+
 # How far up the call stack the Trainer is looked for (it is a few frames above a callback).
 _MAX_FRAMES = 64
 
@@ -58,8 +62,13 @@ class ActivationOffloadCallback(TrainerCallback):
     history entry is updated here too.
     """
 
-    def __init__(self, config: Optional[OffloadConfig] = None, **overrides):
+    def __init__(self, config: Optional[OffloadConfig] = None, *,
+                 tokens_hint: Optional[int] = None, **overrides):
         self.config = make_config(config, **overrides)
+        if tokens_hint is not None and (isinstance(tokens_hint, bool) or not isinstance(
+                tokens_hint, int) or tokens_hint <= 0):
+            raise ValueError(f"tokens_hint: expected a positive int, got {tokens_hint!r}")
+        self.tokens_hint = tokens_hint
         self.handle: Optional[OffloadHandle] = None
         self.final_totals: Optional[Dict[str, float]] = None
         self._logged_totals: Optional[Dict[str, float]] = None
@@ -94,10 +103,34 @@ class ActivationOffloadCallback(TrainerCallback):
         if model is None:
             raise ValueError("ActivationOffloadCallback: the Trainer passed no model")
         self.handle = OffloadHandle(model, self.config, owner=self, replace=self._is_stale)
+        self._reserve_up_front(args)
         self._training = True
         self.final_totals = None
         self._logged_totals = self.handle.totals()
         self._logged_step = state.global_step
+
+    def _reserve_up_front(self, args) -> None:
+        """Sizes the host pool for the longest micro-batch before the first step: from
+        tokens_hint, else from a maximum length the arguments carry (TRL's max_length)
+        times the per-device batch size. Without either the pool grows with the steps."""
+        tokens, source = self.tokens_hint, "tokens_hint"
+        if tokens is None:
+            for name in _MAX_LENGTH_ARGS:
+                length = getattr(args, name, None)
+                if isinstance(length, int) and length > 0:
+                    tokens = length * max(1, int(args.per_device_train_batch_size))
+                    source = f"{name} x per_device_train_batch_size"
+                    break
+        if tokens is None or self.handle.engine.backend is None:
+            return
+        try:
+            reserved = self.handle.reserve_for_tokens(tokens)
+        except (RuntimeError, ValueError) as error:
+            logger.warning("ckpt_offload.hf: the host pool was not sized up front (%s); it "
+                           "grows as steps need it", error)
+            return
+        logger.info("ckpt_offload.hf: host pool sized up front for %d tokens per micro-batch "
+                    "(%s): %.2f GiB", tokens, source, reserved / GIB)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.handle is None or logs is None:

@@ -183,6 +183,10 @@ class OffloadHandle:
         self._latest: Dict[str, float] = {key: 0 for key in STAT_KEYS}
         self._totals: Dict[str, float] = {}
         self._micro_steps = 0
+        # reserve_for_tokens: the token count still to be sized from a measured step, and
+        # the tokens of the step that runs now.
+        self._reserve_tokens: Optional[int] = None
+        self._step_tokens = 0
         try:
             self._install()
             if compile_options is not None:
@@ -323,6 +327,24 @@ class OffloadHandle:
         self.disable()
         return False
 
+    def reserve_for_tokens(self, tokens: int) -> int:
+        """Grows the host pool up front for micro-batches of up to `tokens` tokens (batch x
+        sequence length), so that no step after the first waits for new pinned memory;
+        returns the bytes reserved now. Now: an estimate (every checkpointed layer's input
+        and the LM head's, hidden size x the embeddings' element size per token); after the
+        first step, what that step held per token, scaled to `tokens`."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
+            raise ValueError(f"tokens: expected a positive int, got {tokens!r}")
+        hidden = _hidden_size(self.model)
+        embeddings = self.model.get_input_embeddings() if hasattr(
+            self.model, "get_input_embeddings") else None
+        weight = getattr(embeddings, "weight", None)
+        element = weight.element_size() if isinstance(weight, torch.Tensor) else 4
+        num_bytes = (len(self._layers) + 1) * tokens * hidden * element
+        self.engine.reserve_host(num_bytes)
+        self._reserve_tokens = tokens
+        return num_bytes
+
     def _compile_like_enclosing(self) -> None:
         """Under torch.compile(model): compiles this model's regions with that compile's
         backend, mode and options, once, and says so once."""
@@ -344,11 +366,26 @@ class OffloadHandle:
 
     # Figures.
 
-    def _begin_step(self) -> None:
+    def _begin_step(self, tokens: int = 0) -> None:
         if self._step_open:
             self._harvest(synchronize=False)
+            if self._reserve_tokens and self._step_tokens:
+                self._reserve_measured()
         self._micro_steps += 1
         self._step_open = True
+        self._step_tokens = tokens
+
+    def _reserve_measured(self) -> None:
+        """After the first step of a run sized with reserve_for_tokens: its pool peak per
+        token, scaled to the hint, reserved before the second step (the estimate did not
+        know which tensors the LM head's stretch saves, nor their types)."""
+        tokens, self._reserve_tokens = self._reserve_tokens, None
+        per_token = self._latest.get("host_peak_bytes", 0) / self._step_tokens
+        try:
+            self.engine.reserve_host(int(per_token * tokens))
+        except RuntimeError as error:
+            logger.warning("ckpt_offload.hf: the host pool was not sized for %d tokens (%s); "
+                           "it grows as steps need it", tokens, error)
 
     def _harvest(self, synchronize: bool) -> None:
         """Adds the figures of the step that ran last to the totals (stats reset on the
@@ -441,6 +478,30 @@ class _RequireGradWithoutLeaf:
 
     def __deepcopy__(self, memo):
         return _deepcopy_reduced(self, memo)
+
+
+def _token_count(args: tuple, kwargs: dict) -> int:
+    """Tokens in a forward call's batch: input_ids (or inputs_embeds) elements, 0 if unknown."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, torch.Tensor):
+        return ids.numel()
+    embeds = kwargs.get("inputs_embeds")
+    if isinstance(embeds, torch.Tensor) and embeds.dim() >= 2:
+        return embeds.shape[:-1].numel()
+    return 0
+
+
+def _hidden_size(model: nn.Module) -> int:
+    """The hidden size of the (text) decoder of `model`, from its transformers config."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(module, PreTrainedModel) and config is not None:
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            hidden = getattr(text, "hidden_size", None)
+            if isinstance(hidden, int) and hidden > 0:
+                return hidden
+    raise ValueError(f"{type(model).__name__}: no transformers config with a hidden_size, so "
+                     "the host pool cannot be sized from a token count")
 
 
 def _compile_options(value: Any) -> Optional[Dict[str, Any]]:
@@ -577,7 +638,7 @@ class _OffloadingForward:
         if not (torch.is_grad_enabled() and handle.model.training) or (
                 ckpt_offload.current_engine() is not None):
             return self.original(*args, **kwargs)
-        handle._begin_step()
+        handle._begin_step(_token_count(args, kwargs))
         handle._swap_require_grads_hooks()
         with handle.engine:
             return self.original(*args, **kwargs)
