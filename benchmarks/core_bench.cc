@@ -198,12 +198,12 @@ std::vector<int64_t> AdversarialLengths() {
   std::vector<int64_t> lengths;
   std::mt19937_64 rng(11);
   std::uniform_int_distribution<int64_t> uniform(8192, 16384);
-  lengths.push_back(10240);                                 // the first step is not the longest
+  lengths.push_back(10240);  // the first step is not the longest
   for (int i = 0; i < 20; ++i) lengths.push_back(uniform(rng));  // seq drawn in [8k, 16k]
   for (int64_t seq = 4096; seq <= 12288; seq += 2048) lengths.push_back(seq);  // rise
   for (int64_t seq = 12288; seq >= 4096; seq -= 2048) lengths.push_back(seq);  // fall
-  for (int i = 0; i < 30; ++i) lengths.push_back(12288);      // a long plateau
-  lengths.push_back(18000);                                   // then a new maximum
+  for (int i = 0; i < 30; ++i) lengths.push_back(12288);                       // a long plateau
+  lengths.push_back(18000);                                                    // then a new maximum
   for (int i = 0; i < 10; ++i) lengths.push_back(uniform(rng));
   return lengths;
 }

@@ -21,6 +21,7 @@
 //   pages are faulted in; cudaHostAlloc gets the allocating thread's policy set around the
 //   call. The first refused placement ends placement for the device and the backends it
 //   made (the kernel would refuse the next one alike); numa_placement() keeps the reason.
+#include <cuda_runtime_api.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -30,8 +31,6 @@
 #include <string>
 #include <unordered_set>
 #include <utility>
-
-#include <cuda_runtime_api.h>
 
 #include "absl/strings/str_cat.h"
 #include "offload_core/device.h"
@@ -44,8 +43,8 @@ namespace {
 // The status for a failed CUDA call `call` (e.g. "cudaMemcpyAsync(device->host)").
 absl::Status CudaStatus(cudaError_t error, const std::string& call) {
   (void)cudaGetLastError();  // reported here; see the design note
-  std::string message = absl::StrCat(call, " failed: ", cudaGetErrorName(error), ": ",
-                                     cudaGetErrorString(error));
+  std::string message =
+      absl::StrCat(call, " failed: ", cudaGetErrorName(error), ": ", cudaGetErrorString(error));
   switch (error) {
     case cudaErrorMemoryAllocation:
       return absl::ResourceExhaustedError(message);
@@ -183,8 +182,8 @@ class PinnedHostBackend : public HostMemoryBackend {
     if (block.ok() && reinterpret_cast<uintptr_t>(*block) % kHostBlockAlignment != 0) {
       // Both paths return page-aligned memory; this guards the contract, not a real case.
       Free(*block, bytes);
-      return absl::InternalError(absl::StrCat(name(), ": block not aligned to ",
-                                              kHostBlockAlignment, " bytes"));
+      return absl::InternalError(
+          absl::StrCat(name(), ": block not aligned to ", kHostBlockAlignment, " bytes"));
     }
     return block;
   }
@@ -248,8 +247,7 @@ class PinnedHostBackend : public HostMemoryBackend {
 class CudaDevice : public Device {
  public:
   // Creates the copy streams on `device` (the current device at the call).
-  static absl::StatusOr<std::unique_ptr<Device>> Create(CudaDeviceOptions options,
-                                                        int device) {
+  static absl::StatusOr<std::unique_ptr<Device>> Create(CudaDeviceOptions options, int device) {
     std::unique_ptr<CudaDevice> cuda(new CudaDevice(
         options, device,
         std::make_shared<NumaPlacementState>(ChooseNumaNode(options.numa_node, device))));
@@ -308,8 +306,7 @@ class CudaDevice : public Device {
 
   absl::Status StreamWaitEvent(StreamHandle stream, EventHandle event) override {
     if (absl::Status status = CheckEvent(event, "wait"); !status.ok()) return status;
-    return Check(cudaStreamWaitEvent(ToStream(stream), ToEvent(event), 0),
-                 "cudaStreamWaitEvent");
+    return Check(cudaStreamWaitEvent(ToStream(stream), ToEvent(event), 0), "cudaStreamWaitEvent");
   }
 
   absl::StatusOr<bool> EventDone(EventHandle event) override {
@@ -405,18 +402,18 @@ bool CudaSupportCompiled() { return true; }
 
 absl::StatusOr<std::unique_ptr<Device>> MakeCudaDevice(CudaDeviceOptions options) {
   if (options.numa_node < kNumaNodeAuto) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "CudaDeviceOptions::numa_node: ", options.numa_node,
-        " is not a node id (>= 0), kNumaNodeNone (-1) or kNumaNodeAuto (-2)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("CudaDeviceOptions::numa_node: ", options.numa_node,
+                     " is not a node id (>= 0), kNumaNodeNone (-1) or kNumaNodeAuto (-2)"));
   }
   int count = 0;
   const cudaError_t error = cudaGetDeviceCount(&count);
   if (error != cudaSuccess) {
     // No driver, no device, driver too old, ...: all mean "no CUDA here" to the caller.
     (void)cudaGetLastError();
-    return absl::UnavailableError(absl::StrCat("no CUDA device: cudaGetDeviceCount failed: ",
-                                               cudaGetErrorName(error), ": ",
-                                               cudaGetErrorString(error)));
+    return absl::UnavailableError(
+        absl::StrCat("no CUDA device: cudaGetDeviceCount failed: ", cudaGetErrorName(error), ": ",
+                     cudaGetErrorString(error)));
   }
   if (count == 0) return absl::UnavailableError("no CUDA device: cudaGetDeviceCount found 0");
   int device = 0;

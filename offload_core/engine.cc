@@ -32,29 +32,46 @@ namespace engine_internal {
 
 const char* StateName(EntryState state) {
   switch (state) {
-    case EntryState::kNew: return "kNew";
-    case EntryState::kPending: return "kPending";
-    case EntryState::kOffloading: return "kOffloading";
-    case EntryState::kOffloaded: return "kOffloaded";
-    case EntryState::kRestoring: return "kRestoring";
-    case EntryState::kHandedOut: return "kHandedOut";
-    case EntryState::kResident: return "kResident";
-    case EntryState::kReclaimed: return "kReclaimed";
-    case EntryState::kDiscardedCopying: return "kDiscardedCopying";
-    case EntryState::kDiscardedReclaimed: return "kDiscardedReclaimed";
-    case EntryState::kGone: return "kGone";
+    case EntryState::kNew:
+      return "kNew";
+    case EntryState::kPending:
+      return "kPending";
+    case EntryState::kOffloading:
+      return "kOffloading";
+    case EntryState::kOffloaded:
+      return "kOffloaded";
+    case EntryState::kRestoring:
+      return "kRestoring";
+    case EntryState::kHandedOut:
+      return "kHandedOut";
+    case EntryState::kResident:
+      return "kResident";
+    case EntryState::kReclaimed:
+      return "kReclaimed";
+    case EntryState::kDiscardedCopying:
+      return "kDiscardedCopying";
+    case EntryState::kDiscardedReclaimed:
+      return "kDiscardedReclaimed";
+    case EntryState::kGone:
+      return "kGone";
   }
   return "?";
 }
 
 const char* StateName(GroupState state) {
   switch (state) {
-    case GroupState::kNew: return "kNew";
-    case GroupState::kInWindow: return "kInWindow";
-    case GroupState::kKept: return "kKept";
-    case GroupState::kCopyStarted: return "kCopyStarted";
-    case GroupState::kCopying: return "kCopying";
-    case GroupState::kGone: return "kGone";
+    case GroupState::kNew:
+      return "kNew";
+    case GroupState::kInWindow:
+      return "kInWindow";
+    case GroupState::kKept:
+      return "kKept";
+    case GroupState::kCopyStarted:
+      return "kCopyStarted";
+    case GroupState::kCopying:
+      return "kCopying";
+    case GroupState::kGone:
+      return "kGone";
   }
   return "?";
 }
@@ -85,9 +102,7 @@ class ABSL_LOCKABLE EngineMutex {
 
 class ABSL_SCOPED_LOCKABLE EngineLock {
  public:
-  explicit EngineLock(EngineMutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) {
-    mu_->Lock();
-  }
+  explicit EngineLock(EngineMutex* mu) ABSL_EXCLUSIVE_LOCK_FUNCTION(mu) : mu_(mu) { mu_->Lock(); }
   ~EngineLock() ABSL_UNLOCK_FUNCTION() { mu_->Unlock(); }
   EngineLock(const EngineLock&) = delete;
   EngineLock& operator=(const EngineLock&) = delete;
@@ -148,15 +163,15 @@ struct Entry {
   SourceToken source_token = 0;
   size_t bytes = 0;
   EntryState state = EntryState::kNew;  // changed only by Impl::SetState
-  HostBlock host;              // kOffloading .. kHandedOut
-  void* restore = nullptr;     // kRestoring: the buffer its H2D writes
+  HostBlock host;                       // kOffloading .. kHandedOut
+  void* restore = nullptr;              // kRestoring: the buffer its H2D writes
 };
 
 struct Group {
   std::vector<EntryId> entries;
   bool eager = false;  // BeginEagerGroup: outside the keep_last window, counted apart
   GroupState state = GroupState::kNew;  // changed only by Impl::SetGroupState
-  EventPtr d2h_done;  // recorded on the D2H stream after this group's copies
+  EventPtr d2h_done;                    // recorded on the D2H stream after this group's copies
   EventPtr h2d_done;  // recorded on the H2D stream after this group's last restore
 };
 
@@ -188,8 +203,8 @@ absl::Status ValidateEngineOptions(const EngineOptions& options) {
         absl::StrCat("prefetch_depth must be >= 0 (got ", options.prefetch_depth, ")"));
   }
   if (options.max_inflight_d2h_groups < 1) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "max_inflight_d2h_groups must be >= 1 (got ", options.max_inflight_d2h_groups, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("max_inflight_d2h_groups must be >= 1 (got ",
+                                                   options.max_inflight_d2h_groups, ")"));
   }
   return absl::OkStatus();
 }
@@ -449,8 +464,7 @@ struct OffloadEngine::Impl {
   // were queued) has copies that no tracked event covers: its d2h_done reports done at once.
   // A record on the D2H stream now covers them (the stream runs in order). Reclaim's deferred
   // free and release, and a restore's wait, need an event that really waits for them.
-  absl::Status TrackUntrackedD2H(GroupId gid, Group& group)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  absl::Status TrackUntrackedD2H(GroupId gid, Group& group) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     bool copying = false;
     for (EntryId id : group.entries) {
       copying = copying || entries.at(id).state == EntryState::kOffloading;
@@ -490,8 +504,8 @@ struct OffloadEngine::Impl {
 
   // Issues H2D for the entries of `gid` that need it, or for `only` (a retained graph's
   // second restore of one entry).
-  absl::Status IssueRestore(GroupId gid, StreamHandle compute, bool prefetch,
-                            EntryId only = 0) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
+  absl::Status IssueRestore(GroupId gid, StreamHandle compute, bool prefetch, EntryId only = 0)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     Group& group = groups.at(gid);
     CKPT_RETURN_IF_ERROR(TrackUntrackedD2H(gid, group));
     ReclaimHeldSources(group);  // no entry of `group` is kOffloading after this
@@ -738,8 +752,7 @@ struct OffloadEngine::Impl {
 
 OffloadEngine::OffloadEngine() = default;
 
-absl::StatusOr<std::unique_ptr<OffloadEngine>> OffloadEngine::Create(Device* device,
-                                                                     Client* client,
+absl::StatusOr<std::unique_ptr<OffloadEngine>> OffloadEngine::Create(Device* device, Client* client,
                                                                      EngineOptions options) {
   if (device == nullptr) return absl::InvalidArgumentError("device must not be null");
   if (client == nullptr) return absl::InvalidArgumentError("client must not be null");
@@ -815,10 +828,8 @@ absl::Status OffloadEngine::EndForward() {
   return s.DrainForwardCopies();
 }
 
-absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
-                                                               const void* device_src,
-                                                               size_t bytes,
-                                                               SourceToken source,
+absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid, const void* device_src,
+                                                               size_t bytes, SourceToken source,
                                                                StreamHandle compute) {
   if (device_src == nullptr && bytes > 0) {
     return absl::InvalidArgumentError(
@@ -856,8 +867,7 @@ absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
   // keep_last == 0 (or a late entry): offload right away. A group already copying does
   // not add to the in-flight group count, so only a new one waits for the bound; waiting on
   // its own earlier entries would stall the host once per tensor.
-  absl::Status status =
-      group_state == GroupState::kCopying ? absl::OkStatus() : s.BoundInflight();
+  absl::Status status = group_state == GroupState::kCopying ? absl::OkStatus() : s.BoundInflight();
   if (status.ok()) status = s.StreamAfterCompute(s.device->d2h_stream(), compute);
   if (status.ok()) status = s.IssueD2H(id, s.entries.at(id));
   if (!status.ok()) {
@@ -871,16 +881,16 @@ absl::StatusOr<OffloadEngine::Offer> OffloadEngine::OfferEntry(GroupId gid,
   return Offer{id, true};
 }
 
-absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id,
-                                                               StreamHandle compute) {
+absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id, StreamHandle compute) {
   Impl& s = *impl_;
   EngineLock lock(&s.mu);
   auto it = s.entries.find(id);
   if (it == s.entries.end() || engine_internal::IsDiscarded(it->second.state)) {
     if (id > 0 && id < s.reset_watermark) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "saved tensor ", id, " was dropped when the offload engine was reset (the step "
-          "that saved it raised an exception)"));
+      return absl::FailedPreconditionError(
+          absl::StrCat("saved tensor ", id,
+                       " was dropped when the offload engine was reset (the step "
+                       "that saved it raised an exception)"));
     }
     return absl::NotFoundError(absl::StrCat("unknown or discarded entry ", id));
   }
@@ -1036,8 +1046,7 @@ std::optional<EntryState> EngineTestPeer::StateOf(const OffloadEngine& engine, E
   return it->second.state;
 }
 
-std::optional<GroupState> EngineTestPeer::GroupStateOf(const OffloadEngine& engine,
-                                                       GroupId group) {
+std::optional<GroupState> EngineTestPeer::GroupStateOf(const OffloadEngine& engine, GroupId group) {
   EngineLock lock(&engine.impl_->mu);
   auto it = engine.impl_->groups.find(group);
   if (it == engine.impl_->groups.end()) return std::nullopt;

@@ -127,22 +127,22 @@ absl::Status ValidateEngineOptions(const EngineOptions& options);
 
 // Counts of checkpoint groups' entries; eager groups' entries are counted apart (eager_*).
 struct EngineStats {
-  int64_t groups = 0;                 // BeginGroup calls (eager groups not included)
-  int64_t offloaded_tensors = 0;      // entries whose D2H was issued
+  int64_t groups = 0;             // BeginGroup calls (eager groups not included)
+  int64_t offloaded_tensors = 0;  // entries whose D2H was issued
   size_t offloaded_bytes = 0;
-  int64_t restored_tensors = 0;       // H2D copies issued (prefetched or on demand)
+  int64_t restored_tensors = 0;  // H2D copies issued (prefetched or on demand)
   size_t restored_bytes = 0;
-  int64_t prefetched_tensors = 0;     // H2D issued ahead of their Acquire
-  int64_t kept_resident_tensors = 0;  // entries of the last keep_last groups
-  int64_t cap_fallbacks = 0;          // entries kept on device: arena refused (cap/backend)
-  int64_t reclaimed_tensors = 0;      // backward used the still-held source (D2H unfinished)
+  int64_t prefetched_tensors = 0;       // H2D issued ahead of their Acquire
+  int64_t kept_resident_tensors = 0;    // entries of the last keep_last groups
+  int64_t cap_fallbacks = 0;            // entries kept on device: arena refused (cap/backend)
+  int64_t reclaimed_tensors = 0;        // backward used the still-held source (D2H unfinished)
   int64_t eager_offloaded_tensors = 0;  // eager groups' entries whose D2H was issued
   size_t eager_offloaded_bytes = 0;
-  int64_t eager_restored_tensors = 0;   // their H2D copies (by PrefetchGroup or on demand)
+  int64_t eager_restored_tensors = 0;  // their H2D copies (by PrefetchGroup or on demand)
   size_t eager_restored_bytes = 0;
-  int64_t eager_cap_fallbacks = 0;      // eager entries the arena refused (kept on device)
-  double exposed_wait_ms = 0;         // compute-stream time spent waiting on H2D
-  size_t device_held_bytes = 0;       // now: sources not released + unacquired restores
+  int64_t eager_cap_fallbacks = 0;  // eager entries the arena refused (kept on device)
+  double exposed_wait_ms = 0;       // compute-stream time spent waiting on H2D
+  size_t device_held_bytes = 0;     // now: sources not released + unacquired restores
   size_t peak_device_held_bytes = 0;
   ArenaStats arena;
 };
@@ -211,8 +211,8 @@ class OffloadEngine {
                                    SourceToken source, StreamHandle compute);
 
   struct Acquired {
-    bool resident;       // true: use the caller's own source (never offloaded)
-    void* device_data;   // restored buffer, owned by the caller now (null when resident)
+    bool resident;      // true: use the caller's own source (never offloaded)
+    void* device_data;  // restored buffer, owned by the caller now (null when resident)
   };
   absl::StatusOr<Acquired> Acquire(EntryId entry, StreamHandle compute);
 

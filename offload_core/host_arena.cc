@@ -331,9 +331,8 @@ struct HostArena::Impl {
     const size_t extra = high_water / 20 * 3 + (high_water % 20) * 3 / 20;
     size_t bound = high_water;
     for (size_t add : {extra, options.slab_granularity}) {
-      bound = bound > std::numeric_limits<size_t>::max() - add
-                  ? std::numeric_limits<size_t>::max()
-                  : bound + add;
+      bound = bound > std::numeric_limits<size_t>::max() - add ? std::numeric_limits<size_t>::max()
+                                                               : bound + add;
     }
     return bound;
   }
@@ -351,11 +350,10 @@ struct HostArena::Impl {
   absl::StatusOr<HostBlock> Grow(size_t requested, size_t need) {
     size_t rounded = need;  // the smallest granular slab holding the request
     if (!RoundUpChecked(need, options.slab_granularity, &rounded)) rounded = need;
-    const size_t high_water =
-        std::max(stats.high_water_bytes,
-                 stats.live_bytes > std::numeric_limits<size_t>::max() - need
-                     ? std::numeric_limits<size_t>::max()
-                     : stats.live_bytes + need);
+    const size_t high_water = std::max(stats.high_water_bytes,
+                                       stats.live_bytes > std::numeric_limits<size_t>::max() - need
+                                           ? std::numeric_limits<size_t>::max()
+                                           : stats.live_bytes + need);
     const size_t bound = Bound(high_water);
 
     // Every completely free slab is smaller than the request (it would have held it).
@@ -470,9 +468,9 @@ struct HostArena::Impl {
   absl::Status Reserve(size_t bytes) {
     std::lock_guard<std::mutex> lock(mu);
     if (bytes > options.byte_cap) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("HostArena::Reserve: ", bytes, " bytes are above the byte cap of ",
-                       options.byte_cap, " bytes"));
+      return absl::ResourceExhaustedError(absl::StrCat("HostArena::Reserve: ", bytes,
+                                                       " bytes are above the byte cap of ",
+                                                       options.byte_cap, " bytes"));
     }
     if (bytes > stats.reserved_bytes) {
       size_t slab_bytes = 0;
@@ -550,8 +548,8 @@ struct HostArena::Impl {
   std::map<uintptr_t, std::unique_ptr<Slab>> slabs;  // by base address
   std::set<Slab*, OldestSlabFirst> slab_order;
   uint64_t next_sequence = 0;
-  size_t retiring_slabs = 0;       // slabs with `retiring` set
-  size_t retiring_live_slabs = 0;  // ... of them holding at least one block
+  size_t retiring_slabs = 0;                      // slabs with `retiring` set
+  size_t retiring_live_slabs = 0;                 // ... of them holding at least one block
   std::unordered_map<uintptr_t, LiveBlock> live;  // by block start
   ArenaStats stats;
 };

@@ -87,9 +87,9 @@ struct ArenaOptions {
 };
 
 struct ArenaStats {
-  size_t reserved_bytes = 0;    // held from the backend
-  size_t live_bytes = 0;        // handed out and not yet freed
-  size_t peak_live_bytes = 0;   // max live_bytes since construction or ResetPeak()
+  size_t reserved_bytes = 0;   // held from the backend
+  size_t live_bytes = 0;       // handed out and not yet freed
+  size_t peak_live_bytes = 0;  // max live_bytes since construction or ResetPeak()
   int64_t live_blocks = 0;
   int64_t allocations = 0;           // successful Allocate calls
   int64_t backend_allocations = 0;   // slabs obtained from the backend
@@ -100,10 +100,10 @@ struct ArenaStats {
   size_t byte_cap = 0;
   // W of the bound: max live bytes since construction, or the largest Reserve if higher.
   size_t high_water_bytes = 0;
-  int64_t overbound_growths = 0;     // growths past 1.15 * W + granularity (see the contract)
-  int64_t consolidations = 0;        // retired slabs replaced by one (see the contract)
-  size_t retiring_bytes = 0;         // slabs waiting to be replaced (see the contract)
-  int64_t reserve_calls = 0;         // Reserve calls that reached the backend
+  int64_t overbound_growths = 0;  // growths past 1.15 * W + granularity (see the contract)
+  int64_t consolidations = 0;     // retired slabs replaced by one (see the contract)
+  size_t retiring_bytes = 0;      // slabs waiting to be replaced (see the contract)
+  int64_t reserve_calls = 0;      // Reserve calls that reached the backend
 };
 
 class HostArena {

@@ -56,9 +56,7 @@ class HostDevice : public Device {
                             StreamHandle) override {
     return Copy(device_dst, host_src, bytes, "host->device");
   }
-  std::unique_ptr<HostMemoryBackend> MakeHostBackend() override {
-    return MakeAlignedHostBackend();
-  }
+  std::unique_ptr<HostMemoryBackend> MakeHostBackend() override { return MakeAlignedHostBackend(); }
 
  private:
   absl::Status CheckEvent(EventHandle event, const char* what) {

@@ -56,8 +56,8 @@ constexpr size_t kMaxSysfsFileBytes = 4096;
 std::string ErrnoText(int err) { return std::strerror(err); }
 
 // The memory-policy system calls (see the design note): 0 on success, else -1 and errno.
-int Mbind(void* start, size_t len, int mode, const unsigned long* nodemask,
-          unsigned long maxnode, unsigned flags) {
+int Mbind(void* start, size_t len, int mode, const unsigned long* nodemask, unsigned long maxnode,
+          unsigned flags) {
   return static_cast<int>(syscall(SYS_mbind, start, len, mode, nodemask, maxnode, flags));
 }
 
@@ -110,7 +110,8 @@ bool IsHex(absl::string_view text) {
 // mempolicy system calls expect for it (the kernel reads maxnode - 1 bits).
 std::vector<unsigned long> MaskOf(int node, unsigned long* maxnode) {
   std::vector<unsigned long> mask(static_cast<size_t>(node) / kBitsPerWord + 1, 0);
-  mask[static_cast<size_t>(node) / kBitsPerWord] = 1UL << (static_cast<size_t>(node) % kBitsPerWord);
+  mask[static_cast<size_t>(node) / kBitsPerWord] = 1UL
+                                                   << (static_cast<size_t>(node) % kBitsPerWord);
   *maxnode = mask.size() * kBitsPerWord + 1;
   return mask;
 }
@@ -130,8 +131,8 @@ absl::Status Populate(void* ptr, size_t bytes) {
   if (madvise(ptr, bytes, MADV_POPULATE_WRITE) == 0) return absl::OkStatus();
   const int err = errno;
   if (err != EINVAL) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "madvise(MADV_POPULATE_WRITE, ", bytes, " bytes) failed: ", ErrnoText(err)));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("madvise(MADV_POPULATE_WRITE, ", bytes, " bytes) failed: ", ErrnoText(err)));
   }
   // A kernel before 5.14: a write to each page faults it in the same way.
   volatile char* bytes_ptr = static_cast<volatile char*>(ptr);
@@ -213,19 +214,17 @@ NumaChoice ChooseNumaNode(absl::string_view pci_bus_id, absl::string_view sysfs_
   absl::StatusOr<int> node = ParseNumaNodeFile(*node_text);
   if (!node.ok()) return none(absl::StrCat(node_path, ": ", node.status().message()));
   if (*node < 0) {
-    return none(absl::StrCat("the system reports no NUMA node for GPU ", *id,
-                             " (numa_node -1)"));
+    return none(absl::StrCat("the system reports no NUMA node for GPU ", *id, " (numa_node -1)"));
   }
   if (!std::binary_search(online->begin(), online->end(), *node)) {
     return none(absl::StrCat("GPU ", *id, " is on node ", *node, ", which is not online (nodes ",
                              online_list, ")"));
   }
-  return NumaChoice{*node, absl::StrCat("node ", *node, " (GPU ", *id, "; nodes ", online_list,
-                                        " online)")};
+  return NumaChoice{
+      *node, absl::StrCat("node ", *node, " (GPU ", *id, "; nodes ", online_list, " online)")};
 }
 
-absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node,
-                                    Placement* placement) {
+absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node, Placement* placement) {
   Placement outcome;
   const size_t mapped = RoundUpToPage(bytes == 0 ? 1 : bytes);
   void* ptr = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
@@ -245,8 +244,8 @@ absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node,
       outcome.placed = true;
     } else {
       const int err = errno;
-      outcome.reason = absl::StrCat("mbind(MPOL_PREFERRED, node ", *node,
-                                    ") failed: ", ErrnoText(err));
+      outcome.reason =
+          absl::StrCat("mbind(MPOL_PREFERRED, node ", *node, ") failed: ", ErrnoText(err));
     }
   }
   if (absl::Status populated = Populate(ptr, mapped); !populated.ok()) {
@@ -281,8 +280,8 @@ ScopedPreferredNode::ScopedPreferredNode(std::optional<int> node) {
   const std::vector<unsigned long> mask = MaskOf(*node, &maxnode);
   if (SetMempolicy(MPOL_PREFERRED, mask.data(), maxnode) != 0) {
     const int err = errno;
-    placement_.reason = absl::StrCat("set_mempolicy(MPOL_PREFERRED, node ", *node,
-                                     ") failed: ", ErrnoText(err));
+    placement_.reason =
+        absl::StrCat("set_mempolicy(MPOL_PREFERRED, node ", *node, ") failed: ", ErrnoText(err));
     return;
   }
   placement_.placed = true;
@@ -298,11 +297,10 @@ ScopedPreferredNode::~ScopedPreferredNode() {
 
 absl::StatusOr<int> NodeOfAddress(const void* address) {
   int node = -1;
-  if (GetMempolicy(&node, nullptr, 0, const_cast<void*>(address),
-                    MPOL_F_NODE | MPOL_F_ADDR) != 0) {
+  if (GetMempolicy(&node, nullptr, 0, const_cast<void*>(address), MPOL_F_NODE | MPOL_F_ADDR) != 0) {
     const int err = errno;
-    return absl::UnavailableError(absl::StrCat("get_mempolicy(MPOL_F_NODE | MPOL_F_ADDR) failed: ",
-                                               ErrnoText(err)));
+    return absl::UnavailableError(
+        absl::StrCat("get_mempolicy(MPOL_F_NODE | MPOL_F_ADDR) failed: ", ErrnoText(err)));
   }
   return node;
 }

@@ -84,19 +84,29 @@ absl::StatusOr<DType> ParseDType(const std::string& value) {
 enum class FlagKind { kValue, kBool };
 const std::map<std::string, FlagKind>& KnownFlags() {
   static const auto* flags = new std::map<std::string, FlagKind>{
-      {"preset", FlagKind::kValue},     {"layers", FlagKind::kValue},
-      {"hidden", FlagKind::kValue},     {"ffn", FlagKind::kValue},
-      {"heads", FlagKind::kValue},      {"kv_heads", FlagKind::kValue},
-      {"seq", FlagKind::kValue},        {"batch", FlagKind::kValue},
-      {"dtype", FlagKind::kValue},      {"tflops", FlagKind::kValue},
-      {"d2h_gbps", FlagKind::kValue},   {"h2d_gbps", FlagKind::kValue},
-      {"bidir_gbps", FlagKind::kValue}, {"gpus_per_node", FlagKind::kValue},
-      {"keep_last", FlagKind::kValue},  {"prefetch_depth", FlagKind::kValue},
+      {"preset", FlagKind::kValue},
+      {"layers", FlagKind::kValue},
+      {"hidden", FlagKind::kValue},
+      {"ffn", FlagKind::kValue},
+      {"heads", FlagKind::kValue},
+      {"kv_heads", FlagKind::kValue},
+      {"seq", FlagKind::kValue},
+      {"batch", FlagKind::kValue},
+      {"dtype", FlagKind::kValue},
+      {"tflops", FlagKind::kValue},
+      {"d2h_gbps", FlagKind::kValue},
+      {"h2d_gbps", FlagKind::kValue},
+      {"bidir_gbps", FlagKind::kValue},
+      {"gpus_per_node", FlagKind::kValue},
+      {"keep_last", FlagKind::kValue},
+      {"prefetch_depth", FlagKind::kValue},
       {"max_inflight_d2h_groups", FlagKind::kValue},
-      {"name", FlagKind::kValue},       {"host_ram", FlagKind::kValue},
+      {"name", FlagKind::kValue},
+      {"host_ram", FlagKind::kValue},
       {"host_memory_limit", FlagKind::kValue},
       {"attention_flops", FlagKind::kBool},
-      {"json", FlagKind::kBool},        {"help", FlagKind::kBool},
+      {"json", FlagKind::kBool},
+      {"help", FlagKind::kBool},
   };
   return *flags;
 }
@@ -190,8 +200,7 @@ absl::StatusOr<SimOutcome> SimulateStep(const PlanInput& input, size_t bytes_per
     const std::string detail = hazards.front().detail;
     free_all();
     return absl::InternalError(
-        absl::StrCat("the simulated schedule has ", hazards.size(), " hazard(s), first: ",
-                     detail));
+        absl::StrCat("the simulated schedule has ", hazards.size(), " hazard(s), first: ", detail));
   }
   SimOutcome outcome;
   const EngineStats stats = engine->stats();
@@ -259,18 +268,25 @@ size_t DefaultHostMemoryLimit(size_t host_ram_bytes, int64_t local_ranks) {
 
 absl::StatusOr<size_t> ParseByteSize(const std::string& flag, const std::string& value) {
   static const auto* units = new std::map<std::string, double>{
-      {"", 1},       {"b", 1},      {"kb", 1e3},          {"mb", 1e6},
-      {"gb", 1e9},   {"tb", 1e12},  {"kib", 1024.0},      {"mib", 1048576.0},
-      {"gib", 1073741824.0},        {"tib", 1099511627776.0},
+      {"", 1},
+      {"b", 1},
+      {"kb", 1e3},
+      {"mb", 1e6},
+      {"gb", 1e9},
+      {"tb", 1e12},
+      {"kib", 1024.0},
+      {"mib", 1048576.0},
+      {"gib", 1073741824.0},
+      {"tib", 1099511627776.0},
   };
   const auto bad = [&] {
     return FlagError(flag, absl::StrCat("must be a byte count such as 2TiB, 512GB or 1000000, "
-                                        "got '", value, "'"));
+                                        "got '",
+                                        value, "'"));
   };
   size_t digits = 0;
   while (digits < value.size() &&
-         (absl::ascii_isdigit(static_cast<unsigned char>(value[digits])) ||
-          value[digits] == '.')) {
+         (absl::ascii_isdigit(static_cast<unsigned char>(value[digits])) || value[digits] == '.')) {
     ++digits;
   }
   const std::string number = value.substr(0, digits);
@@ -305,9 +321,8 @@ absl::StatusOr<ModelShape> Preset(const std::string& name) {
   for (const ModelShape& shape : Presets()) {
     if (shape.name == name) return shape;
   }
-  return absl::NotFoundError(absl::StrCat("--preset must be one of ",
-                                          absl::StrJoin(PresetNames(), ", "), ", got '", name,
-                                          "'"));
+  return absl::NotFoundError(absl::StrCat(
+      "--preset must be one of ", absl::StrJoin(PresetNames(), ", "), ", got '", name, "'"));
 }
 
 int64_t ParamsPerLayer(const ModelShape& shape) {
@@ -324,24 +339,24 @@ int64_t ParamsPerLayer(const ModelShape& shape) {
 absl::Status ValidatePlanInput(const PlanInput& input) {
   const ModelShape& model = input.model;
   const std::pair<const char*, int64_t> positive[] = {
-      {"layers", model.layers}, {"hidden", model.hidden},  {"ffn", model.ffn},
-      {"heads", model.heads},   {"kv_heads", model.kv_heads}, {"seq", input.seq},
-      {"batch", input.batch},   {"gpus_per_node", input.gpus_per_node},
+      {"layers", model.layers},     {"hidden", model.hidden},
+      {"ffn", model.ffn},           {"heads", model.heads},
+      {"kv_heads", model.kv_heads}, {"seq", input.seq},
+      {"batch", input.batch},       {"gpus_per_node", input.gpus_per_node},
   };
   for (const auto& [flag, value] : positive) {
     if (value <= 0) return FlagError(flag, absl::StrCat("must be positive, got ", value));
   }
   if (model.layers > kMaxLayers) {
-    return FlagError("layers", absl::StrCat("must be at most ", kMaxLayers, ", got ",
-                                            model.layers));
+    return FlagError("layers",
+                     absl::StrCat("must be at most ", kMaxLayers, ", got ", model.layers));
   }
   if (model.hidden % model.heads != 0) {
     return FlagError("hidden", absl::StrCat("(", model.hidden, ") must be a multiple of --heads (",
                                             model.heads, ")"));
   }
   if (model.heads % model.kv_heads != 0) {
-    return FlagError("heads", absl::StrCat("(", model.heads,
-                                           ") must be a multiple of --kv_heads (",
+    return FlagError("heads", absl::StrCat("(", model.heads, ") must be a multiple of --kv_heads (",
                                            model.kv_heads, ")"));
   }
   // The parameter count must fit in int64 (hidden * ffn is its largest term).
@@ -380,8 +395,9 @@ absl::Status ValidatePlanInput(const PlanInput& input) {
       !MulBounded(bytes, DTypeBytes(input.dtype), &bytes) ||
       !MulBounded(bytes, static_cast<size_t>(model.layers), &bytes) ||
       !MulBounded(bytes, static_cast<size_t>(input.gpus_per_node), &bytes)) {
-    return FlagError("seq", "x --batch x --hidden x dtype bytes x --layers x --gpus_per_node "
-                            "is too large to count in bytes");
+    return FlagError("seq",
+                     "x --batch x --hidden x dtype bytes x --layers x --gpus_per_node "
+                     "is too large to count in bytes");
   }
   const std::pair<const char*, size_t> host_sizes[] = {
       {"host_ram", input.host_ram_bytes},
@@ -403,7 +419,8 @@ std::string PlanUsage() {
       "GPU memory saved, host memory needed, PCIe time, and the transfer time left exposed\n"
       "by the engine's schedule (simulated).\n"
       "\n"
-      "  --preset=NAME             one of ", absl::StrJoin(PresetNames(), ", "), "\n",
+      "  --preset=NAME             one of ",
+      absl::StrJoin(PresetNames(), ", "), "\n",
       "  --layers --hidden --ffn --heads --kv_heads\n"
       "                            model shape (override the preset; required without one)\n"
       "  --seq=N                   sequence length (default 4096)\n"
@@ -438,8 +455,8 @@ absl::StatusOr<PlanRequest> ParsePlanArgs(const std::vector<std::string>& args) 
           absl::StrCat("unexpected argument '", arg, "' (flags look like --name=value)"));
     }
     const size_t equals = arg.find('=');
-    const std::string name = arg.substr(2, equals == std::string::npos ? std::string::npos
-                                                                        : equals - 2);
+    const std::string name =
+        arg.substr(2, equals == std::string::npos ? std::string::npos : equals - 2);
     auto known = KnownFlags().find(name);
     if (known == KnownFlags().end()) {
       return absl::InvalidArgumentError(absl::StrCat("unknown flag --", name));
@@ -467,8 +484,8 @@ absl::StatusOr<PlanRequest> ParsePlanArgs(const std::vector<std::string>& args) 
     CKPT_ASSIGN_OR_RETURN(input.model, Preset(values["preset"]));
   }
   const std::pair<const char*, int64_t*> shape_flags[] = {
-      {"layers", &input.model.layers}, {"hidden", &input.model.hidden},
-      {"ffn", &input.model.ffn},       {"heads", &input.model.heads},
+      {"layers", &input.model.layers},     {"hidden", &input.model.hidden},
+      {"ffn", &input.model.ffn},           {"heads", &input.model.heads},
       {"kv_heads", &input.model.kv_heads},
   };
   bool shape_overridden = false;
@@ -519,8 +536,7 @@ absl::StatusOr<PlanRequest> ParsePlanArgs(const std::vector<std::string>& args) 
     CKPT_ASSIGN_OR_RETURN(input.keep_last, ParseNonNegativeInt("keep_last", it->second));
   }
   if (auto it = values.find("prefetch_depth"); it != values.end()) {
-    CKPT_ASSIGN_OR_RETURN(input.prefetch_depth,
-                          ParseNonNegativeInt("prefetch_depth", it->second));
+    CKPT_ASSIGN_OR_RETURN(input.prefetch_depth, ParseNonNegativeInt("prefetch_depth", it->second));
   }
   if (auto it = values.find("max_inflight_d2h_groups"); it != values.end()) {
     CKPT_ASSIGN_OR_RETURN(int64_t inflight,
@@ -571,8 +587,8 @@ absl::StatusOr<Plan> MakePlan(const PlanInput& input) {
           : std::min<int64_t>(plan.offloaded_layers,
                               static_cast<int64_t>(plan.host_limit_per_gpu / plan.bytes_per_layer));
 
-  double forward_flops = 2.0 * static_cast<double>(plan.params_per_layer) *
-                         static_cast<double>(plan.tokens);
+  double forward_flops =
+      2.0 * static_cast<double>(plan.params_per_layer) * static_cast<double>(plan.tokens);
   if (input.attention_flops) {
     // QK^T and attention x V: 4 * seq^2 * hidden per sequence, halved by the causal mask.
     forward_flops += 2.0 * static_cast<double>(input.batch) * static_cast<double>(input.seq) *
@@ -580,8 +596,8 @@ absl::StatusOr<Plan> MakePlan(const PlanInput& input) {
   }
   plan.forward_s_per_layer = forward_flops / (input.tflops * 1e12);
   plan.backward_s_per_layer = 3 * plan.forward_s_per_layer;  // 2x backward + 1x recompute
-  plan.compute_s = static_cast<double>(model.layers) *
-                   (plan.forward_s_per_layer + plan.backward_s_per_layer);
+  plan.compute_s =
+      static_cast<double>(model.layers) * (plan.forward_s_per_layer + plan.backward_s_per_layer);
   const double moved = static_cast<double>(plan.gpu_bytes_saved);
   plan.d2h_s = moved / (input.d2h_gbps * 1e9);
   plan.h2d_s = moved / (input.h2d_gbps * 1e9);
@@ -612,9 +628,8 @@ std::string FormatPlanTable(const PlanInput& input, const Plan& plan) {
       m.name, m.layers, m.hidden, m.ffn, m.heads, m.kv_heads,
       static_cast<double>(plan.params_per_layer) / 1e6, input.batch, input.seq,
       DTypeName(input.dtype), FormatNumber(input.tflops),
-      input.attention_flops ? " (attention counted)" : "", input.keep_last,
-      input.prefetch_depth, FormatNumber(input.d2h_gbps), FormatNumber(input.h2d_gbps),
-      FormatNumber(input.bidir_gbps));
+      input.attention_flops ? " (attention counted)" : "", input.keep_last, input.prefetch_depth,
+      FormatNumber(input.d2h_gbps), FormatNumber(input.h2d_gbps), FormatNumber(input.bidir_gbps));
   std::vector<std::pair<std::string, std::string>> rows = {
       {"hidden state per layer", FormatBytes(plan.bytes_per_layer)},
       {"layers offloaded", absl::StrCat(plan.offloaded_layers, " of ", m.layers)},
@@ -624,11 +639,11 @@ std::string FormatPlanTable(const PlanInput& input, const Plan& plan) {
        FormatBytes(plan.host_bytes_per_node)},
   };
   if (input.host_ram_bytes > 0) {
-    rows.push_back({"host RAM per node",
-                    absl::StrCat(FormatBytes(input.host_ram_bytes), "  (offload needs ",
-                                 Percent(static_cast<double>(plan.host_bytes_per_node),
-                                         static_cast<double>(input.host_ram_bytes)),
-                                 ")")});
+    rows.push_back(
+        {"host RAM per node", absl::StrCat(FormatBytes(input.host_ram_bytes), "  (offload needs ",
+                                           Percent(static_cast<double>(plan.host_bytes_per_node),
+                                                   static_cast<double>(input.host_ram_bytes)),
+                                           ")")});
   }
   if (plan.host_limit_per_gpu > 0) {
     const std::string source =
@@ -640,24 +655,26 @@ std::string FormatPlanTable(const PlanInput& input, const Plan& plan) {
             ? absl::StrCat("all ", plan.offloaded_layers, " offloaded layers fit")
             : absl::StrCat("only ", plan.layers_within_host_limit, " of ", plan.offloaded_layers,
                            " offloaded layers fit, the rest stay on the GPU");
-    rows.push_back({"host limit per GPU",
-                    absl::StrCat(FormatBytes(plan.host_limit_per_gpu), "  (", source, "; ", fit,
-                                 ")")});
+    rows.push_back({"host limit per GPU", absl::StrCat(FormatBytes(plan.host_limit_per_gpu), "  (",
+                                                       source, "; ", fit, ")")});
   }
-  rows.insert(rows.end(), {
-      {"compute per step",
-       absl::StrCat(FormatSeconds(plan.compute_s), "  (per layer: forward ",
-                    FormatSeconds(plan.forward_s_per_layer), ", backward+recompute ",
-                    FormatSeconds(plan.backward_s_per_layer), ")")},
-      {"PCIe per step (D2H + H2D)",
-       absl::StrCat(FormatSeconds(plan.pcie_s), "  (", FormatSeconds(plan.d2h_s), " + ",
-                    FormatSeconds(plan.h2d_s), "; ", Percent(plan.pcie_s, plan.compute_s),
-                    " of compute)")},
-      {"exposed transfer per step",
-       absl::StrCat(FormatSeconds(plan.exposed_s), "  (", Percent(plan.exposed_s, plan.compute_s),
-                    " of compute; backward waits ", FormatSeconds(plan.backward_wait_s), ")")},
-      {"simulated step time", FormatSeconds(plan.step_s)},
-  });
+  rows.insert(
+      rows.end(),
+      {
+          {"compute per step",
+           absl::StrCat(FormatSeconds(plan.compute_s), "  (per layer: forward ",
+                        FormatSeconds(plan.forward_s_per_layer), ", backward+recompute ",
+                        FormatSeconds(plan.backward_s_per_layer), ")")},
+          {"PCIe per step (D2H + H2D)",
+           absl::StrCat(FormatSeconds(plan.pcie_s), "  (", FormatSeconds(plan.d2h_s), " + ",
+                        FormatSeconds(plan.h2d_s), "; ", Percent(plan.pcie_s, plan.compute_s),
+                        " of compute)")},
+          {"exposed transfer per step",
+           absl::StrCat(FormatSeconds(plan.exposed_s), "  (",
+                        Percent(plan.exposed_s, plan.compute_s), " of compute; backward waits ",
+                        FormatSeconds(plan.backward_wait_s), ")")},
+          {"simulated step time", FormatSeconds(plan.step_s)},
+      });
   size_t width = 0;
   for (const auto& row : rows) width = std::max(width, row.first.size());
   for (const auto& [label, value] : rows) {

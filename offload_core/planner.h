@@ -65,9 +65,9 @@ struct PlanInput {
   int64_t seq = 4096;
   int64_t batch = 1;
   DType dtype = DType::kBf16;
-  double tflops = 700;  // sustained dense TFLOP/s per GPU
+  double tflops = 700;           // sustained dense TFLOP/s per GPU
   bool attention_flops = false;  // also count causal attention matmuls (see above)
-  double d2h_gbps = 55;  // 1 GB/s = 1e9 bytes/s
+  double d2h_gbps = 55;          // 1 GB/s = 1e9 bytes/s
   double h2d_gbps = 55;
   double bidir_gbps = 97;
   int64_t gpus_per_node = 8;
@@ -130,10 +130,10 @@ struct Plan {
   double pcie_s = 0;  // d2h_s + h2d_s
 
   // From the simulated schedule.
-  double step_s = 0;                 // simulated step: compute + exposed
-  double exposed_s = 0;              // step_s - compute_s: every stall the offload caused
-  double backward_wait_s = 0;        // of which: compute stream waiting on restores
-  double engine_exposed_wait_s = 0;  // the engine's own measure of backward_wait_s
+  double step_s = 0;                    // simulated step: compute + exposed
+  double exposed_s = 0;                 // step_s - compute_s: every stall the offload caused
+  double backward_wait_s = 0;           // of which: compute stream waiting on restores
+  double engine_exposed_wait_s = 0;     // the engine's own measure of backward_wait_s
   size_t peak_engine_device_bytes = 0;  // sources not yet released + unacquired restores
   size_t sim_bytes_per_layer = 0;       // the stand-in size the simulation moved
 };

@@ -59,9 +59,7 @@ bool Overlaps(const void* a, size_t a_bytes, const void* b, size_t b_bytes) {
   return a0 < b0 + b_bytes && b0 < a0 + a_bytes;
 }
 
-std::string Range(const void* p, size_t bytes) {
-  return absl::StrFormat("[%p, +%u)", p, bytes);
-}
+std::string Range(const void* p, size_t bytes) { return absl::StrFormat("[%p, +%u)", p, bytes); }
 
 // Contract violations in calls that have no way to report an error.
 [[noreturn]] void Die(const std::string& message) {
@@ -234,12 +232,12 @@ struct SimDevice::Impl {
     op.end_us = now_us + op.duration_us;
     for (const SimBufferRef& read : op.reads) {
       ForEachEarlierWriter(op.seq, read.data, read.bytes, /*direction=*/-1, [&](const Op& copy) {
-        AddHazard(HazardKind::kReadBeforeReady,
-                  absl::StrCat("compute '", op.label, "' on stream ", op.stream, " reads ",
-                               Range(read.data, read.bytes), " while ",
-                               DirectionName(copy.direction), " copy #", copy.seq,
-                               " on stream ", copy.stream, " writing ",
-                               Range(copy.dst, copy.bytes), " is incomplete"));
+        AddHazard(
+            HazardKind::kReadBeforeReady,
+            absl::StrCat("compute '", op.label, "' on stream ", op.stream, " reads ",
+                         Range(read.data, read.bytes), " while ", DirectionName(copy.direction),
+                         " copy #", copy.seq, " on stream ", copy.stream, " writing ",
+                         Range(copy.dst, copy.bytes), " is incomplete"));
       });
     }
   }
@@ -252,11 +250,11 @@ struct SimDevice::Impl {
     engine[op.direction] = &op;
     if (op.direction == kH2D) {
       ForEachEarlierWriter(op.seq, op.src, op.bytes, kD2H, [&](const Op& copy) {
-        AddHazard(HazardKind::kReadBeforeReady,
-                  absl::StrCat("h2d copy #", op.seq, " on stream ", op.stream,
-                               " reads host ", Range(op.src, op.bytes), " while d2h copy #",
-                               copy.seq, " on stream ", copy.stream, " writing ",
-                               Range(copy.dst, copy.bytes), " is incomplete"));
+        AddHazard(
+            HazardKind::kReadBeforeReady,
+            absl::StrCat("h2d copy #", op.seq, " on stream ", op.stream, " reads host ",
+                         Range(op.src, op.bytes), " while d2h copy #", copy.seq, " on stream ",
+                         copy.stream, " writing ", Range(copy.dst, copy.bytes), " is incomplete"));
       });
     }
   }
@@ -267,8 +265,8 @@ struct SimDevice::Impl {
     switch (op->kind) {
       case Op::Kind::kCompute:
         stream.compute_us += op->duration_us;
-        timeline.push_back(TimelineEntry{op->stream, "compute", op->start_us, now_us, 0,
-                                         std::move(op->label)});
+        timeline.push_back(
+            TimelineEntry{op->stream, "compute", op->start_us, now_us, 0, std::move(op->label)});
         break;
       case Op::Kind::kCopy:
         // The bytes land now: a reader that ran ahead saw the old contents.
@@ -276,8 +274,8 @@ struct SimDevice::Impl {
         (op->direction == kD2H ? bytes_to_host : bytes_to_device) += op->bytes;
         engine[op->direction] = nullptr;
         incomplete_copies.erase(op->seq);
-        timeline.push_back(TimelineEntry{op->stream, DirectionName(op->direction),
-                                         op->start_us, now_us, op->bytes, ""});
+        timeline.push_back(TimelineEntry{op->stream, DirectionName(op->direction), op->start_us,
+                                         now_us, op->bytes, ""});
         break;
       case Op::Kind::kRecord:
         op->record->done = true;
@@ -312,8 +310,8 @@ struct SimDevice::Impl {
               break;
             case Op::Kind::kCopy:
               // Started by the copy-engine pass below; finished when its bytes are moved.
-              finished = head.started && now_us >= head.transfer_start_us &&
-                         head.remaining_bytes <= 0;
+              finished =
+                  head.started && now_us >= head.transfer_start_us && head.remaining_bytes <= 0;
               break;
             case Op::Kind::kRecord:
               finished = true;
@@ -432,9 +430,9 @@ struct SimDevice::Impl {
       return absl::InvalidArgumentError(absl::StrCat("sim device: unknown stream ", stream));
     }
     if (bytes > 0 && (dst == nullptr || src == nullptr)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sim device: ", DirectionName(direction), " copy of ", bytes,
-                       " bytes with a null pointer"));
+      return absl::InvalidArgumentError(absl::StrCat("sim device: ", DirectionName(direction),
+                                                     " copy of ", bytes,
+                                                     " bytes with a null pointer"));
     }
     auto op = std::make_unique<Op>();
     op->kind = Op::Kind::kCopy;
@@ -470,8 +468,8 @@ struct SimDevice::Impl {
       AddHazard(host ? HazardKind::kHostReuseInFlight : HazardKind::kDeviceReleaseInFlight,
                 absl::StrCat(what, " ", Range(data, bytes), " while ",
                              DirectionName(copy->direction), " copy #", seq, " on stream ",
-                             copy->stream, copy->started ? " (running)" : " (queued)",
-                             " touches ", Range(side, copy->bytes)));
+                             copy->stream, copy->started ? " (running)" : " (queued)", " touches ",
+                             Range(side, copy->bytes)));
     }
     return in_flight;
   }
@@ -528,8 +526,8 @@ absl::Status SimDevice::RecordEvent(EventHandle event, StreamHandle stream) {
   absl::StatusOr<EventState*> state = impl_->FindEvent(event, "record");
   if (!state.ok()) return state.status();
   if (!impl_->ValidStream(stream)) {
-    return absl::InvalidArgumentError(absl::StrCat("sim device: record on unknown stream ",
-                                                   stream));
+    return absl::InvalidArgumentError(
+        absl::StrCat("sim device: record on unknown stream ", stream));
   }
   auto op = std::make_unique<Op>();
   op->kind = Op::Kind::kRecord;
@@ -547,8 +545,7 @@ absl::Status SimDevice::StreamWaitEvent(StreamHandle stream, EventHandle event) 
   absl::StatusOr<EventState*> state = impl_->FindEvent(event, "wait");
   if (!state.ok()) return state.status();
   if (!impl_->ValidStream(stream)) {
-    return absl::InvalidArgumentError(absl::StrCat("sim device: wait on unknown stream ",
-                                                   stream));
+    return absl::InvalidArgumentError(absl::StrCat("sim device: wait on unknown stream ", stream));
   }
   // CUDA: waiting on an event that was never recorded does nothing.
   if ((*state)->current == nullptr) return absl::OkStatus();
@@ -585,9 +582,8 @@ absl::Status SimDevice::SynchronizeEvent(EventHandle event) {
   impl_->host_us = std::max(impl_->host_us, impl_->now_us);
   if (!completed) {
     // Nothing can change without the host, which is blocked here: a deadlock.
-    return absl::FailedPreconditionError(
-        absl::StrCat("sim device: event ", event, " can never complete: ",
-                     impl_->StuckDescription()));
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sim device: event ", event, " can never complete: ", impl_->StuckDescription()));
   }
   return absl::OkStatus();
 }
@@ -626,9 +622,7 @@ absl::Status SimDevice::CopyToDevice(void* device_dst, const void* host_src, siz
   return impl_->EnqueueCopy(kH2D, device_dst, host_src, bytes, stream);
 }
 
-std::unique_ptr<HostMemoryBackend> SimDevice::MakeHostBackend() {
-  return MakeAlignedHostBackend();
-}
+std::unique_ptr<HostMemoryBackend> SimDevice::MakeHostBackend() { return MakeAlignedHostBackend(); }
 
 void SimDevice::OnHostBlockFreed(const void* host, size_t bytes) {
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -666,9 +660,9 @@ void SimDevice::Compute(StreamHandle stream, double duration_us, std::vector<Sim
 void* SimDevice::AllocateDeviceBuffer(size_t bytes) {
   // Rounded up so aligned_alloc's size rule holds; at least one byte so the pointer is
   // unique and never null.
-  const size_t rounded = std::max<size_t>(
-      kHostBlockAlignment, (bytes + kHostBlockAlignment - 1) / kHostBlockAlignment *
-                               kHostBlockAlignment);
+  const size_t rounded =
+      std::max<size_t>(kHostBlockAlignment, (bytes + kHostBlockAlignment - 1) /
+                                                kHostBlockAlignment * kHostBlockAlignment);
   void* data = std::aligned_alloc(kHostBlockAlignment, rounded);
   if (data == nullptr) Die(absl::StrCat("AllocateDeviceBuffer(", bytes, ") out of memory"));
   std::lock_guard<std::mutex> lock(impl_->mu);
@@ -683,8 +677,7 @@ void SimDevice::FreeDeviceBuffer(void* data) {
   impl_->CatchUp();
   auto it = impl_->device_buffers.find(data);
   if (it == impl_->device_buffers.end()) {
-    Die(absl::StrFormat("FreeDeviceBuffer(%p) of a pointer not from AllocateDeviceBuffer",
-                        data));
+    Die(absl::StrFormat("FreeDeviceBuffer(%p) of a pointer not from AllocateDeviceBuffer", data));
   }
   const size_t bytes = it->second;
   impl_->device_buffers.erase(it);

@@ -33,9 +33,9 @@
 namespace ckpt_offload {
 
 struct SimDeviceOptions {
-  double d2h_gbps = 55.0;    // device->host bandwidth alone (1 GB/s = 1e9 bytes/s)
-  double h2d_gbps = 55.0;    // host->device bandwidth alone
-  double bidir_gbps = 97.0;  // both directions together
+  double d2h_gbps = 55.0;        // device->host bandwidth alone (1 GB/s = 1e9 bytes/s)
+  double h2d_gbps = 55.0;        // host->device bandwidth alone
+  double bidir_gbps = 97.0;      // both directions together
   double copy_latency_us = 0.0;  // fixed cost per copy, before bytes flow
 };
 

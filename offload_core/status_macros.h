@@ -9,10 +9,10 @@
 #define CKPT_STATUS_CONCAT_(a, b) CKPT_STATUS_CONCAT_INNER_(a, b)
 
 // Returns from the enclosing function when `expr` (an absl::Status) is not OK.
-#define CKPT_RETURN_IF_ERROR(expr)                 \
-  do {                                             \
-    const ::absl::Status ckpt_status_ = (expr);    \
-    if (!ckpt_status_.ok()) return ckpt_status_;   \
+#define CKPT_RETURN_IF_ERROR(expr)               \
+  do {                                           \
+    const ::absl::Status ckpt_status_ = (expr);  \
+    if (!ckpt_status_.ok()) return ckpt_status_; \
   } while (0)
 
 // `lhs = value of expr` (an absl::StatusOr<T>), or returns its error.

@@ -41,7 +41,7 @@ constexpr size_t kMiB = size_t{1} << 20;
 TEST(CudaNumaOptionsTest, RejectsNumaNodeBelowAuto) {
   CudaDeviceOptions options;
   options.numa_node = -3;
-  absl::StatusOr<std::unique_ptr<Device>> device = MakeCudaDevice(options);
+  absl::StatusOr<std::unique_ptr<Device> > device = MakeCudaDevice(options);
   EXPECT_EQ(device.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(device.status().message()), HasSubstr("numa_node: -3"));
 }
@@ -60,7 +60,7 @@ class CudaNumaTest : public ::testing::TestWithParam<PinMode> {
     CudaDeviceOptions options;
     options.pin_mode = GetParam();
     options.numa_node = numa_node;
-    absl::StatusOr<std::unique_ptr<Device>> device = MakeCudaDevice(options);
+    absl::StatusOr<std::unique_ptr<Device> > device = MakeCudaDevice(options);
     if (absl::IsUnavailable(device.status())) return nullptr;
     EXPECT_TRUE(device.ok()) << device.status();
     return device.ok() ? std::move(*device) : nullptr;
@@ -154,8 +154,7 @@ TEST_P(CudaNumaTest, RefusedPlacementFallsBackToUnplacedPinnedMemory) {
 INSTANTIATE_TEST_SUITE_P(PinModes, CudaNumaTest,
                          ::testing::Values(PinMode::kHostAlloc, PinMode::kHostRegister),
                          [](const ::testing::TestParamInfo<PinMode>& info) {
-                           return info.param == PinMode::kHostAlloc ? "HostAlloc"
-                                                                    : "HostRegister";
+                           return info.param == PinMode::kHostAlloc ? "HostAlloc" : "HostRegister";
                          });
 
 #endif  // CKPT_OFFLOAD_WITH_CUDA

@@ -68,8 +68,8 @@ TEST(ParseNodeListTest, ParsesSingleNodesRangesAndLists) {
 }
 
 TEST(ParseNodeListTest, RejectsMalformedLists) {
-  for (const char* text : {"", "\n", "zero", "1-0", "0-", "-1", "0,,1", "0-1-2", "0x1",
-                           "2000", " 0 - 1", "0;1"}) {
+  for (const char* text :
+       {"", "\n", "zero", "1-0", "0-", "-1", "0,,1", "0-1-2", "0x1", "2000", " 0 - 1", "0;1"}) {
     absl::StatusOr<std::vector<int>> nodes = ParseNodeList(text);
     EXPECT_EQ(nodes.status().code(), absl::StatusCode::kInvalidArgument) << "'" << text << "'";
   }
@@ -135,8 +135,8 @@ TEST(ChooseNumaNodeTest, MissingGpuFileFallsBackNamingThePath) {
   sysfs.Online("0-1\n");
   const NumaChoice choice = ChooseNumaNode(kGpu, sysfs.root());
   EXPECT_FALSE(choice.node.has_value());
-  EXPECT_THAT(choice.reason, HasSubstr("cannot open " + sysfs.root() + "/bus/pci/devices/" +
-                                       kGpu + "/numa_node"));
+  EXPECT_THAT(choice.reason,
+              HasSubstr("cannot open " + sysfs.root() + "/bus/pci/devices/" + kGpu + "/numa_node"));
 }
 
 TEST(ChooseNumaNodeTest, MissingOrUnreadableOnlineFileFallsBack) {
@@ -144,8 +144,8 @@ TEST(ChooseNumaNodeTest, MissingOrUnreadableOnlineFileFallsBack) {
   missing.GpuNode(kGpu, "1\n");
   NumaChoice choice = ChooseNumaNode(kGpu, missing.root());
   EXPECT_FALSE(choice.node.has_value());
-  EXPECT_THAT(choice.reason, HasSubstr("cannot open " + missing.root() +
-                                       "/devices/system/node/online"));
+  EXPECT_THAT(choice.reason,
+              HasSubstr("cannot open " + missing.root() + "/devices/system/node/online"));
 
   // A directory where the file should be: open(2) succeeds, read(2) fails (EISDIR). Tests
   // may run as root, so a mode of 000 would not make a file unreadable.
@@ -154,8 +154,8 @@ TEST(ChooseNumaNodeTest, MissingOrUnreadableOnlineFileFallsBack) {
   unreadable.GpuNode(kGpu, "1\n");
   choice = ChooseNumaNode(kGpu, unreadable.root());
   EXPECT_FALSE(choice.node.has_value());
-  EXPECT_THAT(choice.reason, HasSubstr("cannot read " + unreadable.root() +
-                                       "/devices/system/node/online"));
+  EXPECT_THAT(choice.reason,
+              HasSubstr("cannot read " + unreadable.root() + "/devices/system/node/online"));
 }
 
 TEST(ChooseNumaNodeTest, MalformedContentFallsBack) {

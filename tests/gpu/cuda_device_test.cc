@@ -105,7 +105,7 @@ class CudaDeviceTest : public ::testing::TestWithParam<PinMode> {
     faults::ClearAll();
     CudaDeviceOptions options;
     options.pin_mode = GetParam();
-    absl::StatusOr<std::unique_ptr<Device>> device = MakeCudaDevice(options);
+    absl::StatusOr<std::unique_ptr<Device> > device = MakeCudaDevice(options);
     if (absl::IsUnavailable(device.status())) GTEST_SKIP() << device.status();
     ASSERT_TRUE(device.ok()) << device.status();
     device_ = std::move(device).value();
@@ -144,12 +144,12 @@ TEST_P(CudaDeviceTest, CopiesRoundTripThroughPinnedMemory) {
 
   const EventHandle uploaded = NewEvent();
   const EventHandle downloaded = NewEvent();
-  ASSERT_TRUE(device_->CopyToDevice(on_device.data(), source.data(), bytes,
-                                    device_->h2d_stream()).ok());
+  ASSERT_TRUE(
+      device_->CopyToDevice(on_device.data(), source.data(), bytes, device_->h2d_stream()).ok());
   ASSERT_TRUE(device_->RecordEvent(uploaded, device_->h2d_stream()).ok());
   ASSERT_TRUE(device_->StreamWaitEvent(device_->d2h_stream(), uploaded).ok());
-  ASSERT_TRUE(device_->CopyToHost(restored.data(), on_device.data(), bytes,
-                                  device_->d2h_stream()).ok());
+  ASSERT_TRUE(
+      device_->CopyToHost(restored.data(), on_device.data(), bytes, device_->d2h_stream()).ok());
   ASSERT_TRUE(device_->RecordEvent(downloaded, device_->d2h_stream()).ok());
   ASSERT_TRUE(device_->SynchronizeEvent(downloaded).ok());
   EXPECT_EQ(device_->EventDone(uploaded).value_or(false), true);
@@ -178,8 +178,8 @@ TEST_P(CudaDeviceTest, ComputeStreamWaitsOnTheHostToDeviceCopy) {
   const EventHandle restored = NewEvent();
   const EventHandle consumed = NewEvent();
   ASSERT_TRUE(device_->RecordEvent(start, device_->h2d_stream()).ok());
-  ASSERT_TRUE(device_->CopyToDevice(on_device.data(), source.data(), bytes,
-                                    device_->h2d_stream()).ok());
+  ASSERT_TRUE(
+      device_->CopyToDevice(on_device.data(), source.data(), bytes, device_->h2d_stream()).ok());
   ASSERT_TRUE(device_->RecordEvent(restored, device_->h2d_stream()).ok());
   ASSERT_TRUE(device_->StreamWaitEvent(compute.handle(), restored).ok());
   ASSERT_TRUE(device_->CopyToHost(seen.data(), on_device.data(), bytes, compute.handle()).ok());
@@ -221,8 +221,8 @@ TEST_P(CudaDeviceTest, EventsFollowCudaSemantics) {
   PinnedBlock host(*backend_, bytes);
   ASSERT_NE(host.data(), nullptr);
   DeviceBuffer on_device(bytes);
-  ASSERT_TRUE(device_->CopyToHost(host.data(), on_device.data(), bytes,
-                                  device_->d2h_stream()).ok());
+  ASSERT_TRUE(
+      device_->CopyToHost(host.data(), on_device.data(), bytes, device_->d2h_stream()).ok());
   ASSERT_TRUE(device_->RecordEvent(event, device_->d2h_stream()).ok());
   absl::StatusOr<bool> pending = device_->EventDone(event);
   ASSERT_TRUE(pending.ok()) << pending.status();
@@ -261,18 +261,15 @@ TEST_P(CudaDeviceTest, InjectedFaultsFailCopiesEventsAndAllocations) {
   const EventHandle event = NewEvent();
 
   faults::FailNext(faults::Fault::kCopy, 2);
-  EXPECT_EQ(device_->CopyToHost(host.data(), on_device.data(), kMiB,
-                                device_->d2h_stream()).code(),
+  EXPECT_EQ(device_->CopyToHost(host.data(), on_device.data(), kMiB, device_->d2h_stream()).code(),
             absl::StatusCode::kInternal);
-  EXPECT_EQ(device_->CopyToDevice(on_device.data(), host.data(), kMiB,
-                                  device_->h2d_stream()).code(),
-            absl::StatusCode::kInternal);
-  EXPECT_TRUE(device_->CopyToHost(host.data(), on_device.data(), kMiB,
-                                  device_->d2h_stream()).ok());
+  EXPECT_EQ(
+      device_->CopyToDevice(on_device.data(), host.data(), kMiB, device_->h2d_stream()).code(),
+      absl::StatusCode::kInternal);
+  EXPECT_TRUE(device_->CopyToHost(host.data(), on_device.data(), kMiB, device_->d2h_stream()).ok());
 
   faults::FailNext(faults::Fault::kEvent, 5);
-  EXPECT_EQ(device_->RecordEvent(event, device_->d2h_stream()).code(),
-            absl::StatusCode::kInternal);
+  EXPECT_EQ(device_->RecordEvent(event, device_->d2h_stream()).code(), absl::StatusCode::kInternal);
   EXPECT_EQ(device_->StreamWaitEvent(device_->h2d_stream(), event).code(),
             absl::StatusCode::kInternal);
   EXPECT_EQ(device_->EventDone(event).status().code(), absl::StatusCode::kInternal);
@@ -348,10 +345,10 @@ TEST_P(CudaDeviceTest, MeasuresCopyBandwidth) {
                                   device_->ElapsedMs(start, h2d_end).value());
   const double bidir_gbps = gbps(2 * bytes, both_ms);
 
-  std::printf("[%s] D2H %.1f GB/s, H2D %.1f GB/s, bidirectional %.1f GB/s "
-              "(%d x %zu MiB; reference H200: 55 / 55 / 97)\n",
-              PinModeName(GetParam()), d2h_gbps, h2d_gbps, bidir_gbps, kRepeats,
-              kBlock / kMiB);
+  std::printf(
+      "[%s] D2H %.1f GB/s, H2D %.1f GB/s, bidirectional %.1f GB/s "
+      "(%d x %zu MiB; reference H200: 55 / 55 / 97)\n",
+      PinModeName(GetParam()), d2h_gbps, h2d_gbps, bidir_gbps, kRepeats, kBlock / kMiB);
   RecordProperty("d2h_gbps", std::to_string(d2h_gbps));
   RecordProperty("h2d_gbps", std::to_string(h2d_gbps));
   RecordProperty("bidir_gbps", std::to_string(bidir_gbps));

@@ -14,7 +14,7 @@ import ckpt_offload.hf.compile as hf_compile
 from ckpt_offload.hf import (ActivationOffloadCallback, compile_regions,
                              enable_activation_offload)
 from ckpt_offload.hf.compile import CompiledLoss
-from tiny import HOST, Probe, TokenDataset, assert_same_weights, tiny_llama, tiny_lora, train
+from tiny import HOST, Probe, assert_same_weights, tiny_llama, tiny_lora, train
 
 LAYERS = 4
 

@@ -121,9 +121,7 @@ class CopyFailingDevice : public Device {
     if (ShouldFail()) return absl::InternalError("copy-failing device: h2d copy failed");
     return sim_->CopyToDevice(device_dst, host_src, bytes, stream);
   }
-  std::unique_ptr<HostMemoryBackend> MakeHostBackend() override {
-    return sim_->MakeHostBackend();
-  }
+  std::unique_ptr<HostMemoryBackend> MakeHostBackend() override { return sim_->MakeHostBackend(); }
   void OnHostBlockFreed(const void* host, size_t bytes) override {
     sim_->OnHostBlockFreed(host, bytes);
   }
@@ -265,8 +263,10 @@ class SimClient : public OffloadEngine::Client {
     release_log_.push_back({entry, now_us});
     auto it = sources_.find(token);
     if (it == sources_.end()) {
-      errors_.push_back(absl::StrCat("entry ", entry, ": ReleaseSource of a source never "
-                                     "filed (token ", token, ")"));
+      errors_.push_back(absl::StrCat("entry ", entry,
+                                     ": ReleaseSource of a source never "
+                                     "filed (token ",
+                                     token, ")"));
       return;
     }
     ReleaseLocked(entry, it->second);
@@ -295,7 +295,8 @@ class SimClient : public OffloadEngine::Client {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = restores_.find(data);
       if (it == restores_.end() || it->second.entry != entry) {
-        errors_.push_back(absl::StrCat("entry ", entry, ": DropRestore of a buffer it does "
+        errors_.push_back(absl::StrCat("entry ", entry,
+                                       ": DropRestore of a buffer it does "
                                        "not own"));
         return;
       }
@@ -323,7 +324,8 @@ class SimClient : public OffloadEngine::Client {
       errors_.push_back(absl::StrCat("entry ", entry, ": ReleaseSource called twice"));
     }
     if (source.dropped) {
-      errors_.push_back(absl::StrCat("entry ", entry, ": ReleaseSource after the caller "
+      errors_.push_back(absl::StrCat("entry ", entry,
+                                     ": ReleaseSource after the caller "
                                      "dropped it (Discard returned false)"));
     }
     source.released = true;
@@ -463,8 +465,7 @@ class EngineHarness {
       for (SavedTensor& tensor : tensors) {
         if (tensor.entry == 0) continue;
         any = true;
-        absl::StatusOr<OffloadEngine::Acquired> acquired =
-            engine_->Acquire(tensor.entry, compute_);
+        absl::StatusOr<OffloadEngine::Acquired> acquired = engine_->Acquire(tensor.entry, compute_);
         if (!acquired.ok()) return acquired.status();
         if (acquired->resident) {
           // The caller's own source: it must still hold the data right now.
@@ -575,8 +576,7 @@ double CopyUs(size_t bytes, double gbps) { return static_cast<double>(bytes) / (
 //   or earlier by a prefetch window), so those groups are still copying when backward first
 //   asks for them, and are reclaimed, every entry of them.
 // - prefetch_depth == 0: the first Acquire waits for those copies instead; none is reclaimed.
-int64_t ReclaimedGroupsOfOneStep(int64_t offloaded_groups, int prefetch_depth,
-                                 int max_inflight) {
+int64_t ReclaimedGroupsOfOneStep(int64_t offloaded_groups, int prefetch_depth, int max_inflight) {
   if (prefetch_depth == 0) return 0;
   return std::min<int64_t>(max_inflight, offloaded_groups);
 }
@@ -645,15 +645,14 @@ TEST_P(EngineScheduleMatrix, ThreeStepsAreHazardFreeIntactAndCounted) {
   EXPECT_EQ(harness.client().allocated_restores(), 3 * restored);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    KeepLastByPrefetch, EngineScheduleMatrix,
-    ::testing::Values(MatrixParam{0, 0}, MatrixParam{0, 1}, MatrixParam{0, 2},
-                      MatrixParam{1, 0}, MatrixParam{1, 1}, MatrixParam{1, 2},
-                      MatrixParam{2, 0}, MatrixParam{2, 1}, MatrixParam{2, 2}),
-    [](const ::testing::TestParamInfo<MatrixParam>& info) {
-      return absl::StrCat("KeepLast", info.param.keep_last, "Prefetch",
-                          info.param.prefetch_depth);
-    });
+INSTANTIATE_TEST_SUITE_P(KeepLastByPrefetch, EngineScheduleMatrix,
+                         ::testing::Values(MatrixParam{0, 0}, MatrixParam{0, 1}, MatrixParam{0, 2},
+                                           MatrixParam{1, 0}, MatrixParam{1, 1}, MatrixParam{1, 2},
+                                           MatrixParam{2, 0}, MatrixParam{2, 1}, MatrixParam{2, 2}),
+                         [](const ::testing::TestParamInfo<MatrixParam>& info) {
+                           return absl::StrCat("KeepLast", info.param.keep_last, "Prefetch",
+                                               info.param.prefetch_depth);
+                         });
 
 // ---------------------------------------------------------------------------------------
 // Exposed wait.
@@ -811,9 +810,8 @@ TEST_F(EngineTest, ExposedWaitMatchesCopyBoundPrediction) {
       if (op.kind == "h2d") h2d.push_back(op);
       if (op.kind == "compute" && op.label == "bwd0") last_compute_start = op.start_us;
     }
-    std::sort(h2d.begin(), h2d.end(), [](const auto& x, const auto& y) {
-      return x.start_us < y.start_us;
-    });
+    std::sort(h2d.begin(), h2d.end(),
+              [](const auto& x, const auto& y) { return x.start_us < y.start_us; });
     ASSERT_EQ(h2d.size(), static_cast<size_t>(restored_groups));
     ExpectNear(h2d.front().start_us, t1, "first restore starts at T1");
     for (size_t i = 1; i < h2d.size(); ++i) {
@@ -844,8 +842,7 @@ TEST_F(EngineTest, DeviceHeldBytesStayWithinBound) {
         for (const auto& [forward_us, backward_us] :
              std::vector<std::pair<double, double>>{{1, 1}, {30, 60}}) {
           SCOPED_TRACE(absl::StrCat("keep_last=", keep_last, " prefetch=", prefetch,
-                                    " max_inflight=", max_inflight, " forward_us=",
-                                    forward_us));
+                                    " max_inflight=", max_inflight, " forward_us=", forward_us));
           EngineHarness harness(Options(keep_last, prefetch, max_inflight));
           harness.RunStep(UniformPlan(kLayers, kBytes, kEntries, forward_us, backward_us), 0);
           harness.ExpectQuiescent();
@@ -918,15 +915,14 @@ TEST_F(EngineTest, EntryStillCopyingWhenBackwardNeedsItIsReclaimed) {
     // resident Acquire sees the caller's source intact and not released. Both Discards came
     // while the copies still read the sources: they returned true (the harness did not drop
     // them), and the engine keeps them.
-    ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, /*max_layers=*/keep_last + 2)
-                    .ok());
+    ASSERT_TRUE(
+        harness.Backward(&saved, plan.backward_us, true, /*max_layers=*/keep_last + 2).ok());
     EngineStats stats = harness.engine().stats();
     EXPECT_EQ(stats.reclaimed_tensors, 2);
     EXPECT_EQ(harness.resident_uses(), keep_last + 2);
     const std::vector<EntryId> unsettled = harness.client().UnsettledSources();
     EXPECT_NE(std::find(unsettled.begin(), unsettled.end(), low_tensor.entry), unsettled.end());
-    EXPECT_NE(std::find(unsettled.begin(), unsettled.end(), high_tensor.entry),
-              unsettled.end());
+    EXPECT_NE(std::find(unsettled.begin(), unsettled.end(), high_tensor.entry), unsettled.end());
     EXPECT_FALSE(harness.client().Released(low_tensor.entry));
     EXPECT_FALSE(harness.client().Released(high_tensor.entry));
     // Held for the engine alone now: the two sources, plus group low - 1's restore, which
@@ -1318,8 +1314,7 @@ TEST_F(EngineTest, ResetMidBackwardReleasesEverythingAndNextStepWorks) {
       const int reclaimed_groups =
           static_cast<int>(ReclaimedGroupsOfOneStep(8 - keep_last, prefetch, 2));
       const size_t consumed = harness.DrainAndCheck();
-      EXPECT_EQ(consumed,
-                2u * static_cast<size_t>(std::max(0, 3 - keep_last - reclaimed_groups)));
+      EXPECT_EQ(consumed, 2u * static_cast<size_t>(std::max(0, 3 - keep_last - reclaimed_groups)));
       harness.ExpectQuiescent();
       if (prefetch > 0) EXPECT_GT(harness.client().dropped_restores(), 0);
       ExpectPreResetEntriesAreGone(harness, saved);
@@ -1343,11 +1338,8 @@ TEST_F(EngineTest, StepsWithDifferentGroupCountsAndSizes) {
   mixed.forward_us = 5;
   mixed.backward_us = 7;
   const StepPlan plans[] = {
-      UniformPlan(6, 65536 + 1000, 2, 10, 20),
-      UniformPlan(3, 300000, 3, 2, 3),
-      mixed,
-      UniformPlan(12, 4096, 1, 1, 1),
-      UniformPlan(1, 1 << 20, 1, 10, 10),
+      UniformPlan(6, 65536 + 1000, 2, 10, 20), UniformPlan(3, 300000, 3, 2, 3),    mixed,
+      UniformPlan(12, 4096, 1, 1, 1),          UniformPlan(1, 1 << 20, 1, 10, 10),
   };
   int step = 0;
   for (const StepPlan& plan : plans) {
@@ -1360,9 +1352,8 @@ TEST_F(EngineTest, StepsWithDifferentGroupCountsAndSizes) {
     // still copying when forward ends and are reclaimed (ReclaimedGroupsOfOneStep), so the
     // layers below them are all that is restored.
     const int offloaded_groups = plan.layers() - 1;
-    const int restored_groups =
-        offloaded_groups -
-        static_cast<int>(ReclaimedGroupsOfOneStep(offloaded_groups, /*prefetch_depth=*/1, 2));
+    const int restored_groups = offloaded_groups - static_cast<int>(ReclaimedGroupsOfOneStep(
+                                                       offloaded_groups, /*prefetch_depth=*/1, 2));
     int64_t entries = 0;
     size_t bytes = 0;
     int64_t restored_entries = 0;
@@ -1381,8 +1372,7 @@ TEST_F(EngineTest, StepsWithDifferentGroupCountsAndSizes) {
     EXPECT_EQ(stats.restored_tensors, restored_entries);
     EXPECT_EQ(stats.restored_bytes, restored_bytes);
     EXPECT_EQ(stats.reclaimed_tensors, entries - restored_entries);
-    EXPECT_EQ(stats.kept_resident_tensors,
-              static_cast<int64_t>(plan.entry_bytes.back().size()));
+    EXPECT_EQ(stats.kept_resident_tensors, static_cast<int64_t>(plan.entry_bytes.back().size()));
   }
 }
 
@@ -1615,8 +1605,7 @@ TEST_F(EngineTest, InjectedCopyFailureInBackwardThenResetAndNextStepWork) {
       harness.ExpectQuiescent();
       const int64_t reclaimed_groups = ReclaimedGroupsOfOneStep(6 - keep_last, prefetch, 2);
       EXPECT_EQ(harness.engine().stats().reclaimed_tensors, 3 * reclaimed_groups);
-      EXPECT_EQ(harness.engine().stats().restored_tensors,
-                3 * (6 - keep_last - reclaimed_groups));
+      EXPECT_EQ(harness.engine().stats().restored_tensors, 3 * (6 - keep_last - reclaimed_groups));
     }
   }
 }
@@ -1781,9 +1770,8 @@ TEST_F(EngineTest, CreateRejectsNullDeviceOrClient) {
 TEST_F(EngineTest, BadCallsAreReportedNotFatal) {
   EngineHarness harness(Options(1, 1));
   OffloadEngine& engine = harness.engine();
-  absl::StatusOr<OffloadEngine::Offer> unknown_group =
-      engine.OfferEntry(12345, harness.client().NewSource(16, 0), 16, /*source=*/0,
-                        harness.compute());
+  absl::StatusOr<OffloadEngine::Offer> unknown_group = engine.OfferEntry(
+      12345, harness.client().NewSource(16, 0), 16, /*source=*/0, harness.compute());
   EXPECT_EQ(unknown_group.status().code(), absl::StatusCode::kNotFound);
   absl::StatusOr<GroupId> group = engine.BeginGroup(harness.compute());
   ASSERT_TRUE(group.ok());
@@ -1791,8 +1779,7 @@ TEST_F(EngineTest, BadCallsAreReportedNotFatal) {
       engine.OfferEntry(*group, nullptr, 16, /*source=*/0, harness.compute());
   EXPECT_EQ(null_source.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(null_source.status().message().find("device_src"), std::string::npos);
-  EXPECT_EQ(engine.Acquire(999, harness.compute()).status().code(),
-            absl::StatusCode::kNotFound);
+  EXPECT_EQ(engine.Acquire(999, harness.compute()).status().code(), absl::StatusCode::kNotFound);
   EXPECT_FALSE(engine.Discard(999));
   // A zero-byte entry has nothing to move: it stays resident.
   void* empty = harness.client().NewSource(0, 0);
@@ -1802,8 +1789,7 @@ TEST_F(EngineTest, BadCallsAreReportedNotFatal) {
   ASSERT_TRUE(zero.ok());
   EXPECT_FALSE(zero->will_offload);
   harness.client().Bind(zero->entry, token);
-  absl::StatusOr<OffloadEngine::Acquired> acquired =
-      engine.Acquire(zero->entry, harness.compute());
+  absl::StatusOr<OffloadEngine::Acquired> acquired = engine.Acquire(zero->entry, harness.compute());
   ASSERT_TRUE(acquired.ok());
   EXPECT_TRUE(acquired->resident);
   EXPECT_FALSE(engine.Discard(zero->entry));

@@ -324,8 +324,7 @@ void DiscardedWhileCopying(Seen* seen) {
             absl::StatusCode::kNotFound);
   rig.LetCopiesFinish();
   rig.ExpectEntry(e.entry, EntryState::kGone);
-  rig.ExpectGroup(g, GroupState::kCopyStarted,
-                  {GroupState::kCopyStarted, GroupState::kCopying});
+  rig.ExpectGroup(g, GroupState::kCopyStarted, {GroupState::kCopyStarted, GroupState::kCopying});
   EXPECT_TRUE(rig.client().Released(e.token));
   EXPECT_EQ(rig.held(), 0u);
 }
@@ -481,10 +480,9 @@ TEST(EngineTransitions, TableIsTheDocumentedOne) {
   EXPECT_EQ(LegalTransitions<EntryState>(), entries);
   using G = GroupState;
   const std::set<std::pair<G, G>> groups = {
-      {G::kNew, G::kInWindow},         {G::kNew, G::kCopyStarted},
-      {G::kInWindow, G::kCopyStarted}, {G::kInWindow, G::kKept},
-      {G::kCopyStarted, G::kCopying},  {G::kCopying, G::kCopyStarted},
-      {G::kCopyStarted, G::kGone},     {G::kKept, G::kGone},
+      {G::kNew, G::kInWindow},     {G::kNew, G::kCopyStarted},     {G::kInWindow, G::kCopyStarted},
+      {G::kInWindow, G::kKept},    {G::kCopyStarted, G::kCopying}, {G::kCopying, G::kCopyStarted},
+      {G::kCopyStarted, G::kGone}, {G::kKept, G::kGone},
   };
   EXPECT_EQ(LegalTransitions<GroupState>(), groups);
 }

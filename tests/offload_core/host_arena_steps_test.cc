@@ -101,7 +101,7 @@ struct TraceReport {
   int64_t max_allocations_in_a_step_after_the_first = 0;
   int64_t total_backend_allocations = 0;
   int64_t backend_frees = 0;
-  double worst_reserved_over_bound = 0;  // reserved / (1.15 * W + granularity)
+  double worst_reserved_over_bound = 0;   // reserved / (1.15 * W + granularity)
   double worst_transient_over_bound = 0;  // the same while slabs are retiring
   int64_t consolidations = 0;
   int64_t consolidations_in_the_next_step = 0;
@@ -134,8 +134,7 @@ class TraceRunner {
   // its key is its length and those steps' lengths. It is covered when an earlier step's
   // key is at least as large in every position.
   std::vector<int64_t> LiveSetKey(const std::vector<int64_t>& lengths, size_t step) const {
-    const size_t history =
-        std::max<size_t>(mix_.side_lifetime_steps, mix_.overlap > 0 ? 1 : 0);
+    const size_t history = std::max<size_t>(mix_.side_lifetime_steps, mix_.overlap > 0 ? 1 : 0);
     std::vector<int64_t> key;
     for (size_t back = 0; back <= history; ++back) {
       key.push_back(step >= back ? lengths[step - back] : 0);
@@ -530,10 +529,11 @@ TEST(HostArenaSteps, ReserveUpFrontMakesTheOnlyBackendAllocation) {
       const TraceReport report = runner.Run(lengths.lengths);
       SCOPED_TRACE(absl::StrCat(mix.name, " / ", lengths.name));
       EXPECT_EQ(report.total_backend_allocations, 1);
-      EXPECT_EQ(report.reserved_at_end, static_cast<size_t>(options.reserve_bytes) +
-                                            (options.arena.slab_granularity -
-                                             options.reserve_bytes % options.arena.slab_granularity) %
-                                                options.arena.slab_granularity);
+      EXPECT_EQ(report.reserved_at_end,
+                static_cast<size_t>(options.reserve_bytes) +
+                    (options.arena.slab_granularity -
+                     options.reserve_bytes % options.arena.slab_granularity) %
+                        options.arena.slab_granularity);
       EXPECT_EQ(report.first_problem, "");
       EXPECT_EQ(runner.arena().stats().reserve_calls, 1);
     }

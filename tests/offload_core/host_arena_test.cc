@@ -351,12 +351,13 @@ TEST(HostArena, GrowingRequestsFoldFreeSlabsIntoOneWhenTheBoundNeedsIt) {
   EXPECT_LT(stats.backend_allocations - first.backend_allocations, kLayers / 2);
   EXPECT_LE(stats.reserved_bytes, stats.high_water_bytes * 23 / 20 + 2 * kMiB);
   for (auto it = blocks.rbegin(); it != blocks.rend(); ++it) t.arena->Free(*it);
-  std::printf("31 x 32 MiB then 31 x 64 MiB: %lld + %lld backend allocations, %lld frees, "
-              "reserved %zu MiB for a peak of %zu MiB\n",
-              static_cast<long long>(first.backend_allocations),
-              static_cast<long long>(stats.backend_allocations - first.backend_allocations),
-              static_cast<long long>(stats.backend_frees), stats.reserved_bytes / kMiB,
-              stats.peak_live_bytes / kMiB);
+  std::printf(
+      "31 x 32 MiB then 31 x 64 MiB: %lld + %lld backend allocations, %lld frees, "
+      "reserved %zu MiB for a peak of %zu MiB\n",
+      static_cast<long long>(first.backend_allocations),
+      static_cast<long long>(stats.backend_allocations - first.backend_allocations),
+      static_cast<long long>(stats.backend_frees), stats.reserved_bytes / kMiB,
+      stats.peak_live_bytes / kMiB);
 }
 
 TEST(HostArena, ShrinkingRequestsReuseExistingSlabs) {

@@ -261,10 +261,10 @@ absl::StatusOr<PlanRequest> Parse(const std::string& command_line) {
 }
 
 TEST(PlannerFlagsTest, ParsesPresetOverridesAndBothValueForms) {
-  absl::StatusOr<PlanRequest> request =
-      Parse("--preset=llama-8b --seq 4096 --batch=2 --dtype=fp16 --tflops=400.5 "
-            "--d2h_gbps=25 --h2d_gbps 26 --bidir_gbps=50 --gpus_per_node=4 --keep_last=0 "
-            "--prefetch_depth=3 --max_inflight_d2h_groups=5 --layers=16 --json");
+  absl::StatusOr<PlanRequest> request = Parse(
+      "--preset=llama-8b --seq 4096 --batch=2 --dtype=fp16 --tflops=400.5 "
+      "--d2h_gbps=25 --h2d_gbps 26 --bidir_gbps=50 --gpus_per_node=4 --keep_last=0 "
+      "--prefetch_depth=3 --max_inflight_d2h_groups=5 --layers=16 --json");
   ASSERT_TRUE(request.ok()) << request.status();
   const PlanInput& input = request->input;
   EXPECT_TRUE(request->json);
@@ -316,8 +316,8 @@ TEST(PlannerFlagsTest, HostSizesAndName) {
   EXPECT_EQ(request->input.model.layers, 80);  // --name changes the label only
 
   const std::pair<const char*, size_t> sizes[] = {
-      {"1000", 1000},           {"1000b", 1000},           {"4KiB", 4096},
-      {"1.5GiB", 3 * kGiB / 2}, {"512gb", 512000000000},   {"2tib", size_t{2} << 40},
+      {"1000", 1000},           {"1000b", 1000},         {"4KiB", 4096},
+      {"1.5GiB", 3 * kGiB / 2}, {"512gb", 512000000000}, {"2tib", size_t{2} << 40},
       {"3MB", 3000000},         {"1.25MiB", 1310720},
   };
   for (const auto& [text, bytes] : sizes) {
@@ -448,7 +448,8 @@ TEST(PlannerOutputTest, TableAndJson) {
   EXPECT_EQ(table.find("host limit per GPU"), std::string::npos) << table;
   EXPECT_EQ(table.find("host RAM per node"), std::string::npos) << table;
   EXPECT_NE(json.find("\"host_limit_per_gpu\": 0, \"layers_within_host_limit\": 79"),
-            std::string::npos) << json;
+            std::string::npos)
+      << json;
 }
 
 TEST(PlannerOutputTest, HostRamAndTheDefaultLimit) {
@@ -464,9 +465,10 @@ TEST(PlannerOutputTest, HostRamAndTheDefaultLimit) {
         "79 offloaded layers fit, the rest stay on the GPU)"}) {
     EXPECT_NE(table.find(expected), std::string::npos) << expected << "\n" << table;
   }
-  EXPECT_NE(FormatPlanJson(input, plan).find("\"host_ram_bytes\": 2199023255552, "
-                                             "\"host_limit_per_gpu\": 137438953472, "
-                                             "\"layers_within_host_limit\": 64"),
+  EXPECT_NE(FormatPlanJson(input, plan)
+                .find("\"host_ram_bytes\": 2199023255552, "
+                      "\"host_limit_per_gpu\": 137438953472, "
+                      "\"layers_within_host_limit\": 64"),
             std::string::npos);
 
   input.host_memory_limit_bytes = 200 * kGiB;  // an explicit limit wins over the default
@@ -475,7 +477,8 @@ TEST(PlannerOutputTest, HostRamAndTheDefaultLimit) {
   EXPECT_EQ(plan.layers_within_host_limit, 79);
   table = FormatPlanTable(input, plan);
   EXPECT_NE(table.find("200.00 GiB  (--host_memory_limit; all 79 offloaded layers fit)"),
-            std::string::npos) << table;
+            std::string::npos)
+      << table;
 }
 
 }  // namespace

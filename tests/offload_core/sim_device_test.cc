@@ -376,8 +376,7 @@ TEST(SimDeviceTest, ElapsedMsUsesCompletionTimes) {
   ASSERT_TRUE(sim.RecordEvent(end, s).ok());
 
   absl::StatusOr<double> pending = sim.ElapsedMs(start, end);
-  EXPECT_EQ(pending.status().code(), absl::StatusCode::kFailedPrecondition)
-      << pending.status();
+  EXPECT_EQ(pending.status().code(), absl::StatusCode::kFailedPrecondition) << pending.status();
   ASSERT_TRUE(sim.SynchronizeEvent(end).ok());
   EXPECT_DOUBLE_EQ(sim.ElapsedMs(start, end).value_or(-1), 2.5);
   EXPECT_DOUBLE_EQ(sim.ElapsedMs(end, start).value_or(0), -2.5);

@@ -245,8 +245,9 @@ TEST_P(EngineConcurrency, ForwardAndBackwardOnDifferentThreadsRoundTripEveryByte
         for (int t = 0; t < tensors; ++t) {
           // Mostly a few KiB, sometimes empty, sometimes beyond the small-slab size.
           const uint64_t pick = rng() % 16;
-          const size_t bytes = pick == 0 ? 0 : pick == 1 ? (80 << 10) + rng() % 4096
-                                                         : 1 + rng() % 8192;
+          const size_t bytes = pick == 0   ? 0
+                               : pick == 1 ? (80 << 10) + rng() % 4096
+                                           : 1 + rng() % 8192;
           const uint64_t key = next_key++;
           const uint64_t tag = (static_cast<uint64_t>(step) << 20) | (layer << 4) | t;
           const uint8_t* src = client.NewSource(key, bytes, tag);

@@ -4,11 +4,11 @@
 //
 //   fault_injector.fail_next("copy", 2)   # the next 2 device copies fail
 //   fault_injector.clear_faults()
+#include <pybind11/pybind11.h>
+
 #include <atomic>
 #include <cstdint>
 #include <string>
-
-#include <pybind11/pybind11.h>
 
 #include "offload_core/fault_injection.h"
 
@@ -22,8 +22,7 @@ Fault ParseFault(const std::string& name) {
     auto fault = static_cast<Fault>(i);
     if (name == Name(fault)) return fault;
   }
-  throw py::value_error("fault must be 'host_allocation', 'copy' or 'event' (got '" + name +
-                        "')");
+  throw py::value_error("fault must be 'host_allocation', 'copy' or 'event' (got '" + name + "')");
 }
 
 }  // namespace
@@ -42,7 +41,6 @@ PYBIND11_MODULE(fault_injector, m) {
       [](const std::string& fault, int64_t count) {
         faults::FailNext(faults::ParseFault(fault), count);
       },
-      py::arg("fault"), py::arg("count") = 1,
-      "The next `count` operations of kind `fault` fail.");
+      py::arg("fault"), py::arg("count") = 1, "The next `count` operations of kind `fault` fail.");
   m.def("clear_faults", &faults::ClearAll, "Cancels every pending failure.");
 }

@@ -199,15 +199,15 @@ TEST_P(OffloaderConcurrency, PackOnSomeThreadsUnpackAndDestroyOnOthers) {
   EXPECT_EQ(stats.engine.device_held_bytes, 0u);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    HostBackend, OffloaderConcurrency,
-    testing::Values(Params{0, 0, Scope::kAll}, Params{1, 1, Scope::kAll},
-                    Params{0, 1, Scope::kCheckpointInputs}, Params{2, 2, Scope::kCheckpointInputs}),
-    [](const testing::TestParamInfo<Params>& info) {
-      return std::string(info.param.scope == Scope::kAll ? "all" : "inputs") + "_keep" +
-             std::to_string(info.param.keep_last) + "_prefetch" +
-             std::to_string(info.param.prefetch_depth);
-    });
+INSTANTIATE_TEST_SUITE_P(HostBackend, OffloaderConcurrency,
+                         testing::Values(Params{0, 0, Scope::kAll}, Params{1, 1, Scope::kAll},
+                                         Params{0, 1, Scope::kCheckpointInputs},
+                                         Params{2, 2, Scope::kCheckpointInputs}),
+                         [](const testing::TestParamInfo<Params>& info) {
+                           return std::string(info.param.scope == Scope::kAll ? "all" : "inputs") +
+                                  "_keep" + std::to_string(info.param.keep_last) + "_prefetch" +
+                                  std::to_string(info.param.prefetch_depth);
+                         });
 
 }  // namespace
 }  // namespace ckpt_offload::torch_plugin

@@ -80,7 +80,8 @@ TEST_P(SessionTest, OffloadedCheckpointGradientsEqualDirectRun) {
   Session session(MakeConfig(c.backend, keep_last, c.prefetch_depth));
   h = x;
   for (int i = 0; i < kLayers; ++i) {
-    h = checkpoint(session, [&stack, i](const at::Tensor& in) { return stack.Layer(i, in); }, h);
+    h = checkpoint(
+        session, [&stack, i](const at::Tensor& in) { return stack.Layer(i, in); }, h);
   }
   at::Tensor loss = h.pow(2).mean();
   loss.backward();
@@ -101,8 +102,7 @@ TEST_P(SessionTest, OffloadedCheckpointGradientsEqualDirectRun) {
 
 INSTANTIATE_TEST_SUITE_P(HostBackend, SessionTest,
                          ::testing::Values(Case{Backend::kHost, 0, 0}, Case{Backend::kHost, 1, 1},
-                                           Case{Backend::kHost, 2, 1},
-                                           Case{Backend::kHost, 1, 2}));
+                                           Case{Backend::kHost, 2, 1}, Case{Backend::kHost, 1, 2}));
 
 // Runs on the GPU machine (tests/gpu/run_gpu_suite.sh); skipped where no GPU is visible.
 INSTANTIATE_TEST_SUITE_P(CudaBackend, SessionTest,

@@ -35,8 +35,7 @@ class PythonWarnings : public c10::WarningHandler {
   // Throws error_already_set when a filter turned a warning into an exception.
   void Issue() {
     for (const c10::Warning& warning : warnings_) {
-      PyObject* category = std::holds_alternative<c10::Warning::DeprecationWarning>(
-                               warning.type())
+      PyObject* category = std::holds_alternative<c10::Warning::DeprecationWarning>(warning.type())
                                ? PyExc_DeprecationWarning
                                : PyExc_UserWarning;
       if (PyErr_WarnEx(category, warning.msg().c_str(), 1) != 0) {
@@ -84,35 +83,35 @@ Scope ParseScope(const std::string& name) {
 
 // The figures of Offloader.stats(), in order: the one list of stat keys. Each entry is
 // X(key, the value in OffloaderStats `s`); ckpt_offload.STAT_KEYS is read from _C.STAT_KEYS.
-#define CKPT_OFFLOAD_STATS(X)                                               \
-  X(offloaded_tensors, s.engine.offloaded_tensors)                          \
-  X(offloaded_bytes, s.engine.offloaded_bytes)                              \
-  X(restored_tensors, s.engine.restored_tensors)                            \
-  X(restored_bytes, s.engine.restored_bytes)                                \
-  X(kept_resident_tensors, s.engine.kept_resident_tensors)                  \
-  X(prefetched_tensors, s.engine.prefetched_tensors)                        \
-  X(exposed_wait_ms, s.engine.exposed_wait_ms)                              \
-  X(cap_fallbacks, s.engine.cap_fallbacks)                                  \
-  X(reclaimed_tensors, s.engine.reclaimed_tensors)                          \
-  X(groups, s.engine.groups)                                                \
-  X(device_held_bytes, s.engine.device_held_bytes)                          \
-  X(peak_device_held_bytes, s.engine.peak_device_held_bytes)                \
-  X(host_reserved_bytes, s.engine.arena.reserved_bytes)                     \
-  X(host_live_bytes, s.engine.arena.live_bytes)                             \
-  X(host_peak_bytes, s.engine.arena.peak_live_bytes)                        \
-  X(host_live_blocks, s.engine.arena.live_blocks)                           \
-  X(pinned_allocations, s.engine.arena.backend_allocations)                 \
-  X(pinned_allocation_seconds, s.engine.arena.backend_alloc_seconds)        \
-  X(host_cap_rejections, s.engine.arena.cap_rejections)                     \
-  X(host_backend_failures, s.engine.arena.backend_failures)                 \
-  X(packed_tensors, s.packed_tensors)                                       \
-  X(skipped_tensors, s.skipped_tensors)                                     \
-  X(shared_storage_hits, s.shared_storage_hits)                             \
-  X(head_offloaded_tensors, s.engine.eager_offloaded_tensors)               \
-  X(head_offloaded_bytes, s.engine.eager_offloaded_bytes)                   \
-  X(head_restored_tensors, s.engine.eager_restored_tensors)                 \
-  X(head_restored_bytes, s.engine.eager_restored_bytes)                     \
-  X(head_kept_tensors, s.head_kept_tensors)                                 \
+#define CKPT_OFFLOAD_STATS(X)                                        \
+  X(offloaded_tensors, s.engine.offloaded_tensors)                   \
+  X(offloaded_bytes, s.engine.offloaded_bytes)                       \
+  X(restored_tensors, s.engine.restored_tensors)                     \
+  X(restored_bytes, s.engine.restored_bytes)                         \
+  X(kept_resident_tensors, s.engine.kept_resident_tensors)           \
+  X(prefetched_tensors, s.engine.prefetched_tensors)                 \
+  X(exposed_wait_ms, s.engine.exposed_wait_ms)                       \
+  X(cap_fallbacks, s.engine.cap_fallbacks)                           \
+  X(reclaimed_tensors, s.engine.reclaimed_tensors)                   \
+  X(groups, s.engine.groups)                                         \
+  X(device_held_bytes, s.engine.device_held_bytes)                   \
+  X(peak_device_held_bytes, s.engine.peak_device_held_bytes)         \
+  X(host_reserved_bytes, s.engine.arena.reserved_bytes)              \
+  X(host_live_bytes, s.engine.arena.live_bytes)                      \
+  X(host_peak_bytes, s.engine.arena.peak_live_bytes)                 \
+  X(host_live_blocks, s.engine.arena.live_blocks)                    \
+  X(pinned_allocations, s.engine.arena.backend_allocations)          \
+  X(pinned_allocation_seconds, s.engine.arena.backend_alloc_seconds) \
+  X(host_cap_rejections, s.engine.arena.cap_rejections)              \
+  X(host_backend_failures, s.engine.arena.backend_failures)          \
+  X(packed_tensors, s.packed_tensors)                                \
+  X(skipped_tensors, s.skipped_tensors)                              \
+  X(shared_storage_hits, s.shared_storage_hits)                      \
+  X(head_offloaded_tensors, s.engine.eager_offloaded_tensors)        \
+  X(head_offloaded_bytes, s.engine.eager_offloaded_bytes)            \
+  X(head_restored_tensors, s.engine.eager_restored_tensors)          \
+  X(head_restored_bytes, s.engine.eager_restored_bytes)              \
+  X(head_kept_tensors, s.head_kept_tensors)                          \
   X(head_cap_fallbacks, s.engine.eager_cap_fallbacks)
 
 py::dict StatsDict(const OffloaderStats& s) {
@@ -148,8 +147,7 @@ PYBIND11_MODULE(_C, m) {
   py::class_<TensorOffloader, std::shared_ptr<TensorOffloader>>(m, "Offloader")
       .def(py::init([](int keep_last, int prefetch_depth, int64_t min_offload_bytes,
                        uint64_t host_memory_limit, const std::string& backend,
-                       const std::string& scope, int max_inflight_d2h_groups,
-                       bool offload_head) {
+                       const std::string& scope, int max_inflight_d2h_groups, bool offload_head) {
              OffloaderConfig config;
              config.keep_last = keep_last;
              config.prefetch_depth = prefetch_depth;
@@ -172,8 +170,7 @@ PYBIND11_MODULE(_C, m) {
             WithPythonWarnings([&] { self.BeginGroup(inputs); });
           },
           py::arg("inputs"))
-      .def("end_group",
-           [](TensorOffloader& self) { WithPythonWarnings([&] { self.EndGroup(); }); })
+      .def("end_group", [](TensorOffloader& self) { WithPythonWarnings([&] { self.EndGroup(); }); })
       .def(
           "pack",
           [](TensorOffloader& self, py::object obj) -> py::object {
@@ -238,15 +235,16 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", [](const TensorOffloader& self) { return StatsDict(self.stats()); })
       .def("reset_stats", &TensorOffloader::ResetStats)
       .def("set_host_memory_limit", &TensorOffloader::SetHostMemoryLimit, py::arg("bytes"))
-      .def("reserve_host",
-           [](TensorOffloader& self, uint64_t bytes) {
-             const absl::Status status = self.ReserveHost(bytes);
-             if (!status.ok()) {
-               throw std::runtime_error("ckpt_offload: reserving " + std::to_string(bytes) +
-                                        " bytes of host pool: " + status.ToString());
-             }
-           },
-           py::arg("bytes"))
+      .def(
+          "reserve_host",
+          [](TensorOffloader& self, uint64_t bytes) {
+            const absl::Status status = self.ReserveHost(bytes);
+            if (!status.ok()) {
+              throw std::runtime_error("ckpt_offload: reserving " + std::to_string(bytes) +
+                                       " bytes of host pool: " + status.ToString());
+            }
+          },
+          py::arg("bytes"))
       .def_property_readonly("has_engine", &TensorOffloader::has_engine);
 
   m.def("cuda_support_compiled", &ckpt_offload::CudaSupportCompiled);

@@ -1,9 +1,9 @@
 #include "torch_plugin/csrc/head_policy.h"
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <utility>
-
-#include <c10/util/Exception.h>
 
 namespace ckpt_offload::torch_plugin {
 
@@ -55,8 +55,7 @@ bool HeadPolicy::IsActivation(const at::Tensor& tensor) {
 }
 
 bool HeadPolicy::MayBecomeCandidate(const at::Tensor& tensor, int64_t span_bytes) const {
-  return window_open_ &&
-         window_offloaded_ + static_cast<int>(waiting_.size()) < kMaxHeadEntries &&
+  return window_open_ && window_offloaded_ + static_cast<int>(waiting_.size()) < kMaxHeadEntries &&
          span_bytes <= 2 * largest_group_entry_bytes_ && IsActivation(tensor);
 }
 

@@ -101,7 +101,7 @@ class HeadPolicy {
 
  private:
   bool window_open_ = false;
-  int window_offloaded_ = 0;  // candidates of the open window handed to the engine
+  int window_offloaded_ = 0;               // candidates of the open window handed to the engine
   int64_t largest_group_entry_bytes_ = 0;  // in this forward
   std::vector<std::weak_ptr<OffloadedStorage>> waiting_;  // candidates without a trigger
   std::unordered_map<const void*, std::vector<GroupId>> triggers_;

@@ -9,11 +9,11 @@
 // - The simulation runs without the GIL.
 // - choose_numa_node(pci_bus_id) is the engine's own choice of NUMA node for a GPU's pinned
 //   memory (offload_core/numa.h), for `python -m ckpt_offload.doctor`: (node or None, reason).
-#include <string>
-#include <vector>
-
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "offload_core/numa.h"
@@ -51,9 +51,9 @@ PYBIND11_MODULE(_plan, m) {
       [](const std::string& pci_bus_id, const std::string& sysfs_root) {
         const ckpt_offload::numa::NumaChoice choice =
             ckpt_offload::numa::ChooseNumaNode(pci_bus_id, sysfs_root);
-        return py::make_tuple(choice.node.has_value() ? py::object(py::int_(*choice.node))
-                                                      : py::object(py::none()),
-                              choice.reason);
+        return py::make_tuple(
+            choice.node.has_value() ? py::object(py::int_(*choice.node)) : py::object(py::none()),
+            choice.reason);
       },
       py::arg("pci_bus_id"),
       py::arg("sysfs_root") = std::string(ckpt_offload::numa::kDefaultSysfsRoot),

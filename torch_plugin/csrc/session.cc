@@ -38,7 +38,8 @@ class CheckpointFunction : public ::torch::autograd::Function<CheckpointFunction
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
-    auto saved = c10::static_intrusive_pointer_cast<SavedInput>(ctx->saved_data["input"].toCapsule());
+    auto saved =
+        c10::static_intrusive_pointer_cast<SavedInput>(ctx->saved_data["input"].toCapsule());
     // Both unpacks raise autograd's in-place error if `input` was modified since forward.
     torch_plugin::TensorOffloader& offloader = saved->session->offloader();
     at::Tensor restored = saved->input.packed ? offloader.Unpack(*saved->input.packed)

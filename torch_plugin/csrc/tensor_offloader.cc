@@ -12,8 +12,8 @@
 #include "absl/strings/str_cat.h"
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
-#include <c10/cuda/CUDAStream.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 
 namespace ckpt_offload::torch_plugin {
@@ -47,8 +47,7 @@ std::shared_ptr<PackedTensor> MakePacked(const at::Tensor& tensor, int64_t begin
 
 // torch's name for a tensor type, as autograd's messages print it ("torch.cuda.HalfTensor").
 std::string TypeName(at::ScalarType dtype, const at::Device& device) {
-  return absl::StrCat("torch.", device.is_cuda() ? "cuda." : "", c10::toString(dtype),
-                      "Tensor");
+  return absl::StrCat("torch.", device.is_cuda() ? "cuda." : "", c10::toString(dtype), "Tensor");
 }
 
 // The engine's options for `config`: the one mapping from OffloaderConfig to EngineOptions.
@@ -88,8 +87,7 @@ void VersionCheck::Verify(c10::IntArrayRef sizes, at::ScalarType dtype,
   if (std::shared_ptr<torch::autograd::Node> grad_fn = grad_fn_.lock()) {
     message << ", which is output " << output_nr_ << " of " << grad_fn->name() << ",";
   }
-  message << " is at version " << current << "; expected version " << saved_version_
-          << " instead.";
+  message << " is at version " << current << "; expected version " << saved_version_ << " instead.";
   if (torch::autograd::AnomalyMode::is_enabled()) {
     message << " Hint: the backtrace further above shows the operation that failed to "
                "compute its gradient. The variable in question was changed in there or "
@@ -117,11 +115,10 @@ OffloadedStorage::OffloadedStorage(std::shared_ptr<TensorOffloader> owner, Entry
       device_(device) {}
 
 std::shared_ptr<OffloadedStorage> OffloadedStorage::HeadCandidate(
-    std::shared_ptr<TensorOffloader> owner, const c10::Storage& source,
-    int64_t span_begin_bytes, int64_t span_end_bytes, at::Device device) {
+    std::shared_ptr<TensorOffloader> owner, const c10::Storage& source, int64_t span_begin_bytes,
+    int64_t span_end_bytes, at::Device device) {
   auto candidate = std::make_shared<OffloadedStorage>(std::move(owner), /*entry=*/0, source,
-                                                      span_begin_bytes, span_end_bytes,
-                                                      device);
+                                                      span_begin_bytes, span_end_bytes, device);
   MutexLock lock(&candidate->mu_);
   candidate->held_ = source;
   candidate->keep_restore_ = true;
@@ -157,18 +154,16 @@ c10::Storage OffloadedStorage::Restore(int64_t* span_begin_bytes) {
 // ---------------------------------------------------------------------------------------
 // TensorOffloader
 
-absl::StatusOr<std::shared_ptr<TensorOffloader>> TensorOffloader::Create(
-    OffloaderConfig config) {
+absl::StatusOr<std::shared_ptr<TensorOffloader>> TensorOffloader::Create(OffloaderConfig config) {
   absl::Status valid = ValidateEngineOptions(EngineOptionsFor(config));
   if (!valid.ok()) return valid;
   if (config.min_offload_bytes < 0) {
-    return absl::InvalidArgumentError(absl::StrCat("min_offload_bytes must be >= 0 (got ",
-                                                   config.min_offload_bytes, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("min_offload_bytes must be >= 0 (got ", config.min_offload_bytes, ")"));
   }
 #ifndef CKPT_OFFLOAD_WITH_CUDA
   if (config.backend == Backend::kCuda) {
-    return absl::UnavailableError(
-        "backend 'cuda': this build of ckpt_offload has no CUDA support");
+    return absl::UnavailableError("backend 'cuda': this build of ckpt_offload has no CUDA support");
   }
 #endif
   return std::shared_ptr<TensorOffloader>(new TensorOffloader(config));
@@ -204,8 +199,9 @@ std::string TensorOffloader::IneligibleReason(const at::Tensor& tensor) const {
   if (tensor.is_conj() || tensor.is_neg()) return "lazily conjugated/negated view";
   // A leaf that requires grad is held by its AccumulateGrad node until backward, so a copy
   // would free nothing (e.g. the embedding output under enable_input_require_grads).
-  if (tensor.is_leaf() && tensor.requires_grad()) return "leaf that requires grad (a parameter, "
-                                                         "or held by autograd anyway)";
+  if (tensor.is_leaf() && tensor.requires_grad())
+    return "leaf that requires grad (a parameter, "
+           "or held by autograd anyway)";
   if (!MatchesBackend(tensor)) {
     return config_.backend == Backend::kCuda ? "not a CUDA tensor" : "not a CPU tensor";
   }
@@ -252,9 +248,8 @@ OffloadEngine* TensorOffloader::EngineFor(const at::Device& device) {
   if (pending_host_reserve_ > 0) {
     const absl::Status reserved = engine_->ReserveHost(pending_host_reserve_);
     if (!reserved.ok()) {
-      TORCH_WARN("ckpt_offload: the host pool was not reserved up front (",
-                 pending_host_reserve_, " bytes: ", reserved.ToString(),
-                 "); it grows as steps need it");
+      TORCH_WARN("ckpt_offload: the host pool was not reserved up front (", pending_host_reserve_,
+                 " bytes: ", reserved.ToString(), "); it grows as steps need it");
     }
     pending_host_reserve_ = 0;
   }
@@ -354,8 +349,8 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
     }
     const auto* base = static_cast<const char*>(storage.data());
     const SourceToken token = FileSource(storage);
-    auto offer = engine->OfferEntry(group, base + begin, static_cast<size_t>(end - begin),
-                                    token, compute);
+    auto offer =
+        engine->OfferEntry(group, base + begin, static_cast<size_t>(end - begin), token, compute);
     if (!offer.ok()) {
       UnfileSource(token);
       ThrowStatus("offloading a saved tensor", offer.status());
@@ -374,8 +369,8 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
     }
     if (group_open_) head_.NoteGroupEntry(end - begin);
   }
-  auto holder = std::make_shared<OffloadedStorage>(shared_from_this(), entry, storage, begin,
-                                                   end, tensor.device());
+  auto holder = std::make_shared<OffloadedStorage>(shared_from_this(), entry, storage, begin, end,
+                                                   tensor.device());
   {
     MutexLock lock(&tensors_mu_);
     by_storage_[key] = holder;
@@ -405,8 +400,8 @@ c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& de
   return storage;
 }
 
-std::shared_ptr<PackedTensor> TensorOffloader::SharedView(const at::Tensor& tensor,
-                                                          int64_t begin, int64_t end) {
+std::shared_ptr<PackedTensor> TensorOffloader::SharedView(const at::Tensor& tensor, int64_t begin,
+                                                          int64_t end) {
   MutexLock lock(&tensors_mu_);
   auto it = by_storage_.find(tensor.storage().unsafeGetStorageImpl());
   if (it == by_storage_.end()) return nullptr;
@@ -481,8 +476,8 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
     const auto [begin, end] = StorageSpan(tensor);
     if (may_offload && head_.MayBecomeCandidate(tensor, end - begin) &&
         IneligibleReason(tensor).empty()) {
-      candidate = OffloadedStorage::HeadCandidate(shared_from_this(), tensor.storage(), begin,
-                                                  end, tensor.device());
+      candidate = OffloadedStorage::HeadCandidate(shared_from_this(), tensor.storage(), begin, end,
+                                                  tensor.device());
       head_.AddCandidate(candidate);
     }
   }
@@ -504,30 +499,30 @@ GroupId TensorOffloader::OfferHeadLocked(OffloadedStorage& candidate) {
   OffloadEngine* engine = EngineFor(device);
   if (engine == nullptr) return 0;  // a second device: left alone
   GroupId group_id = 0;
-  const EntryId entry = candidate.OfferHeld([&](const c10::Storage& source, int64_t begin,
-                                                int64_t end) -> EntryId {
-    auto group = engine->BeginEagerGroup();
-    if (!group.ok()) ThrowStatus("starting a head group", group.status());
-    const auto* base = static_cast<const char*>(source.data());
-    const SourceToken token = FileSource(source);
-    auto offer = engine->OfferEntry(*group, base + begin, static_cast<size_t>(end - begin),
-                                    token, ComputeStream(device));
-    if (!offer.ok()) {
-      UnfileSource(token);
-      ThrowStatus("offloading a head tensor", offer.status());
-    }
-    if (!offer->will_offload) {
-      engine->Discard(offer->entry);
-      UnfileSource(token);
-      return 0;  // the arena refused: it stays, held by the candidate
-    }
-    {
-      MutexLock tensors_lock(&tensors_mu_);
-      source_tokens_.emplace(offer->entry, token);
-    }
-    group_id = *group;
-    return offer->entry;
-  });
+  const EntryId entry =
+      candidate.OfferHeld([&](const c10::Storage& source, int64_t begin, int64_t end) -> EntryId {
+        auto group = engine->BeginEagerGroup();
+        if (!group.ok()) ThrowStatus("starting a head group", group.status());
+        const auto* base = static_cast<const char*>(source.data());
+        const SourceToken token = FileSource(source);
+        auto offer = engine->OfferEntry(*group, base + begin, static_cast<size_t>(end - begin),
+                                        token, ComputeStream(device));
+        if (!offer.ok()) {
+          UnfileSource(token);
+          ThrowStatus("offloading a head tensor", offer.status());
+        }
+        if (!offer->will_offload) {
+          engine->Discard(offer->entry);
+          UnfileSource(token);
+          return 0;  // the arena refused: it stays, held by the candidate
+        }
+        {
+          MutexLock tensors_lock(&tensors_mu_);
+          source_tokens_.emplace(offer->entry, token);
+        }
+        group_id = *group;
+        return offer->entry;
+      });
   WarnOnFirstFallback(engine);
   return entry == 0 ? 0 : group_id;
 }
@@ -692,13 +687,15 @@ void TensorOffloader::WarnOnFirstFallback(OffloadEngine* engine) {
   const EngineStats stats = engine->stats();
   if (stats.cap_fallbacks == 0) return;
   warned_fallback_ = true;
-  TORCH_WARN("ckpt_offload: the host memory pool refused a block (refused by "
-             "host_memory_limit = ", stats.arena.byte_cap, " bytes: ",
-             stats.arena.cap_rejections, " time(s); host allocation failed: ",
-             stats.arena.backend_failures, " time(s)), so saved tensors stay on the device "
-             "instead of being offloaded. Results are unchanged; device memory use is higher. "
-             "stats()['cap_fallbacks'] counts them. Raise host_memory_limit if this is "
-             "unexpected. (Warned once per offloader.)");
+  TORCH_WARN(
+      "ckpt_offload: the host memory pool refused a block (refused by "
+      "host_memory_limit = ",
+      stats.arena.byte_cap, " bytes: ", stats.arena.cap_rejections,
+      " time(s); host allocation failed: ", stats.arena.backend_failures,
+      " time(s)), so saved tensors stay on the device "
+      "instead of being offloaded. Results are unchanged; device memory use is higher. "
+      "stats()['cap_fallbacks'] counts them. Raise host_memory_limit if this is "
+      "unexpected. (Warned once per offloader.)");
 }
 
 absl::Status TensorOffloader::ReserveHost(uint64_t bytes) {

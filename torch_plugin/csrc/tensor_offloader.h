@@ -106,8 +106,8 @@ class VersionCheck {
 class OffloadedStorage {
  public:
   OffloadedStorage(std::shared_ptr<TensorOffloader> owner, EntryId entry,
-                   const c10::Storage& source, int64_t span_begin_bytes,
-                   int64_t span_end_bytes, at::Device device);
+                   const c10::Storage& source, int64_t span_begin_bytes, int64_t span_end_bytes,
+                   at::Device device);
   ~OffloadedStorage();
   OffloadedStorage(const OffloadedStorage&) = delete;
   OffloadedStorage& operator=(const OffloadedStorage&) = delete;
@@ -117,8 +117,7 @@ class OffloadedStorage {
   static std::shared_ptr<OffloadedStorage> HeadCandidate(std::shared_ptr<TensorOffloader> owner,
                                                          const c10::Storage& source,
                                                          int64_t span_begin_bytes,
-                                                         int64_t span_end_bytes,
-                                                         at::Device device);
+                                                         int64_t span_end_bytes, at::Device device);
 
   // A head candidate's one transition, held -> offered: `offer` hands the held storage's
   // span to the engine and returns its entry, or 0 when the engine keeps nothing (the
@@ -285,13 +284,11 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   // is keyed by its KeptTensor's (or a foreign tensor's) TensorImpl, a packed one by its
   // OffloadedStorage: both live as long as the saved handle.
   bool HeadRelevant(const at::Tensor& tensor) const;  // may be a candidate or trigger
-  SavedTensor PackUngrouped(const at::Tensor& tensor)
-      ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  SavedTensor PackUngrouped(const at::Tensor& tensor) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   SavedTensor Keep(const at::Tensor& tensor);
   // Registers the head groups `tensor` triggers (if any) under `trigger_key`; returns
   // the candidate `tensor` became, or null.
-  std::shared_ptr<OffloadedStorage> OfferHeadAndTrigger(const at::Tensor& tensor,
-                                                        bool may_offload,
+  std::shared_ptr<OffloadedStorage> OfferHeadAndTrigger(const at::Tensor& tensor, bool may_offload,
                                                         std::vector<GroupId>* triggered)
       ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   void RegisterTrigger(const void* trigger_key, std::vector<GroupId> groups)
@@ -304,8 +301,8 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   bool MayHaveHeadTriggers() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
     return head_.MayHaveTriggers();
   }
-  std::shared_ptr<PackedTensor> SharedView(const at::Tensor& tensor, int64_t begin,
-                                           int64_t end) ABSL_LOCKS_EXCLUDED(tensors_mu_);
+  std::shared_ptr<PackedTensor> SharedView(const at::Tensor& tensor, int64_t begin, int64_t end)
+      ABSL_LOCKS_EXCLUDED(tensors_mu_);
   SavedTensor Skip(const at::Tensor& tensor);
 
   OffloaderConfig config_;  // host_memory_limit may change between steps

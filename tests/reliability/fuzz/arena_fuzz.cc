@@ -81,7 +81,7 @@ class TrackingBackend : public HostMemoryBackend {
 };
 
 struct Live {
-  size_t bytes;      // as returned
+  size_t bytes;  // as returned
   size_t requested;
   uint8_t tag;
 };
@@ -160,8 +160,8 @@ class Harness {
     FUZZ_CHECK(block->bytes >= need, "block of %zu bytes for a request of %zu", block->bytes,
                requested);
     FUZZ_CHECK(block->bytes - need < kHostBlockAlignment,
-               "block of %zu bytes for a request of %zu rounds beyond the alignment",
-               block->bytes, requested);
+               "block of %zu bytes for a request of %zu rounds beyond the alignment", block->bytes,
+               requested);
     // Inside one slab.
     auto slab = ledger_.slabs.upper_bound(start);
     FUZZ_CHECK(slab != ledger_.slabs.begin(), "block at %p below every slab", block->data);
@@ -302,12 +302,11 @@ class Harness {
     FUZZ_CHECK(stats.peak_live_bytes >= stats.live_bytes, "peak below live");
     FUZZ_CHECK(stats.allocations == allocations_, "allocations %lld vs %lld",
                static_cast<long long>(stats.allocations), static_cast<long long>(allocations_));
-    FUZZ_CHECK(stats.backend_allocations == ledger_.allocations &&
-                   stats.backend_frees == ledger_.frees,
-               "backend counters differ from the backend's");
+    FUZZ_CHECK(
+        stats.backend_allocations == ledger_.allocations && stats.backend_frees == ledger_.frees,
+        "backend counters differ from the backend's");
     FUZZ_CHECK(stats.retiring_bytes <= stats.reserved_bytes, "retiring above reserved");
-    FUZZ_CHECK(stats.high_water_bytes >= stats.live_bytes &&
-                   stats.high_water_bytes >= high_water_,
+    FUZZ_CHECK(stats.high_water_bytes >= stats.live_bytes && stats.high_water_bytes >= high_water_,
                "high water %zu below live %zu or dropped from %zu", stats.high_water_bytes,
                stats.live_bytes, high_water_);
     high_water_ = stats.high_water_bytes;
@@ -322,9 +321,9 @@ class Harness {
 
   ArenaOptions options_;
   // The arena's granularity: at least, and a multiple of, the block alignment.
-  size_t granularity_ = (std::max(options_.slab_granularity, kHostBlockAlignment) +
-                         kHostBlockAlignment - 1) /
-                        kHostBlockAlignment * kHostBlockAlignment;
+  size_t granularity_ =
+      (std::max(options_.slab_granularity, kHostBlockAlignment) + kHostBlockAlignment - 1) /
+      kHostBlockAlignment * kHostBlockAlignment;
   size_t high_water_ = 0;
   BackendLedger ledger_;
   std::unique_ptr<HostArena> arena_;
@@ -388,10 +387,18 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   Harness harness(options);
   for (int op = 0; op < 2000 && !in.empty(); ++op) {
     switch (in.Below(16)) {
-      case 0: case 1: case 2: case 3: case 4: case 5:
+      case 0:
+      case 1:
+      case 2:
+      case 3:
+      case 4:
+      case 5:
         harness.Allocate(Size(in));
         break;
-      case 6: case 7: case 8: case 9:
+      case 6:
+      case 7:
+      case 8:
+      case 9:
         harness.Free(in.U16());
         break;
       case 10:

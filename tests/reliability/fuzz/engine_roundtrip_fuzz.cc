@@ -248,11 +248,11 @@ class Harness {
                        "resident entry %lld reads wrong elements", static_cast<long long>(t.entry));
           } else {
             FUZZ_CHECK(acquired->device_data != nullptr, "restored entry without a buffer");
-            FUZZ_CHECK(ElementsIntact(t, static_cast<const uint8_t*>(acquired->device_data),
-                                      t.span_begin),
-                       "restored entry %lld (itemsize %lld, %zu span bytes) reads wrong elements",
-                       static_cast<long long>(t.entry), static_cast<long long>(t.meta.itemsize),
-                       t.span_bytes);
+            FUZZ_CHECK(
+                ElementsIntact(t, static_cast<const uint8_t*>(acquired->device_data), t.span_begin),
+                "restored entry %lld (itemsize %lld, %zu span bytes) reads wrong elements",
+                static_cast<long long>(t.entry), static_cast<long long>(t.meta.itemsize),
+                t.span_bytes);
             client_.FreeAcquired(acquired->device_data);
           }
         }
@@ -304,8 +304,8 @@ class Harness {
     const EngineStats stats = engine_->stats();
     FUZZ_CHECK(stats.arena.live_bytes == 0 && stats.arena.live_blocks == 0,
                "%zu live host bytes %s", stats.arena.live_bytes, when);
-    FUZZ_CHECK(stats.device_held_bytes == 0, "%zu device bytes held %s",
-               stats.device_held_bytes, when);
+    FUZZ_CHECK(stats.device_held_bytes == 0, "%zu device bytes held %s", stats.device_held_bytes,
+               when);
     FUZZ_CHECK(stats.arena.reserved_bytes <= stats.arena.byte_cap, "reserved above the cap");
   }
 

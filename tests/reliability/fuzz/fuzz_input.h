@@ -31,15 +31,14 @@ class Input {
 };
 
 // A failed invariant: print it and abort, which libFuzzer (and the replay test) report.
-#define FUZZ_CHECK(cond, ...)                                                      \
-  do {                                                                             \
-    if (!(cond)) {                                                                 \
-      std::fprintf(stderr, "%s:%d: FUZZ_CHECK(%s) failed: ", __FILE__, __LINE__,   \
-                   #cond);                                                         \
-      std::fprintf(stderr, __VA_ARGS__);                                           \
-      std::fprintf(stderr, "\n");                                                  \
-      std::abort();                                                                \
-    }                                                                              \
+#define FUZZ_CHECK(cond, ...)                                                            \
+  do {                                                                                   \
+    if (!(cond)) {                                                                       \
+      std::fprintf(stderr, "%s:%d: FUZZ_CHECK(%s) failed: ", __FILE__, __LINE__, #cond); \
+      std::fprintf(stderr, __VA_ARGS__);                                                 \
+      std::fprintf(stderr, "\n");                                                        \
+      std::abort();                                                                      \
+    }                                                                                    \
   } while (0)
 
 }  // namespace ckpt_offload::fuzz
