@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Callable, Dict, List
 
 import torch
+
+# The same run metadata and peer-module loading as the eager benchmark (this directory).
+from gpu_bench import _load_module, meta
 
 GIB = 2**30
 
@@ -125,15 +126,10 @@ def axolotl_mode(model, peers_dir: str) -> Mode:
     """axolotl's `activation_offloading: hidden_states`: a marker patched onto
     GradientCheckpointingLayer.__call__ (the class, so only around this mode's steps) and a
     saved-tensors context around forward and backward."""
-    import importlib.util
-
     from transformers.modeling_layers import GradientCheckpointingLayer
 
     path = os.path.join(peers_dir, "axolotl", "monkeypatch", "checkpoint_activation_offload.py")
-    spec = importlib.util.spec_from_file_location("axolotl_hs_offload", path)
-    peer = importlib.util.module_from_spec(spec)
-    sys.modules["axolotl_hs_offload"] = peer
-    spec.loader.exec_module(peer)
+    peer = _load_module("axolotl_hs_offload", path)
     original = GradientCheckpointingLayer.__call__
     peer.patch_gradient_checkpointing_layer_marker()
     patched = GradientCheckpointingLayer.__call__
@@ -231,23 +227,6 @@ def run_config(shape: str, seq: int, names: List[str], rounds: int, warmup: int,
     gc.collect()
     torch.cuda.empty_cache()
     return results
-
-
-def meta() -> Dict:
-    def sh(cmd):
-        try:
-            return subprocess.check_output(cmd, text=True, stderr=subprocess.DEVNULL).strip()
-        except Exception:  # noqa: BLE001
-            return ""
-
-    import peft
-    import transformers
-
-    return dict(commit=os.environ.get("CKPT_OFFLOAD_COMMIT") or sh(["git", "rev-parse", "HEAD"]),
-                gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                cuda=torch.version.cuda, transformers=transformers.__version__,
-                peft=peft.__version__, peers=os.environ.get("CKPT_OFFLOAD_PEERS", ""),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
 def markdown_table(report: Dict) -> str:
