@@ -20,7 +20,7 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 # The native engine stores the integer fields as C++ int, int64_t and uint64_t: larger values
 # must fail here, naming the field, not as a TypeError from the extension's constructor.
 _INT_MAX = 2**31 - 1
-_INT64_MAX = 2**63 - 1
+INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
 
 HostMemoryLimit = Union[None, int, float, str]
@@ -77,7 +77,8 @@ def parse_host_memory_limit(value: HostMemoryLimit, field: str = "host_memory_li
     raise ValueError(f"{field}: unsupported type {type(value).__name__} ({value!r}); {accepted}")
 
 
-def _check_int(name: str, value, minimum: int, maximum: int = _INT_MAX) -> None:
+def check_int(name: str, value, minimum: int, maximum: int = _INT_MAX) -> None:
+    """Raises ValueError naming `name` unless `value` is an int (not a bool) in range."""
     accepted = f"accepted: an int from {minimum} to {maximum}"
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name}: must be an int >= {minimum}, got {value!r} "
@@ -128,10 +129,10 @@ class OffloadConfig:
     def __post_init__(self):
         if not isinstance(self.offload_head, bool):
             raise ValueError(f"offload_head: must be True or False, got {self.offload_head!r}")
-        _check_int("keep_last", self.keep_last, 0)
-        _check_int("prefetch_depth", self.prefetch_depth, 0)
-        _check_int("min_offload_bytes", self.min_offload_bytes, 0, _INT64_MAX)
-        _check_int("max_inflight_d2h_groups", self.max_inflight_d2h_groups, 1)
+        check_int("keep_last", self.keep_last, 0)
+        check_int("prefetch_depth", self.prefetch_depth, 0)
+        check_int("min_offload_bytes", self.min_offload_bytes, 0, INT64_MAX)
+        check_int("max_inflight_d2h_groups", self.max_inflight_d2h_groups, 1)
         if not isinstance(self.backend, str) or self.backend not in BACKENDS:
             raise ValueError(f"backend: must be one of {BACKENDS}, got {self.backend!r}")
         if not isinstance(self.scope, str) or self.scope not in SCOPES:

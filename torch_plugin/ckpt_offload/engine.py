@@ -22,7 +22,7 @@ import torch
 import torch.utils.checkpoint
 
 from ckpt_offload import _C
-from ckpt_offload.config import OffloadConfig, make_config
+from ckpt_offload.config import INT64_MAX, OffloadConfig, check_int, make_config
 
 # The keys of stats(), in order: the extension's own list (its stats table).
 STAT_KEYS = tuple(_C.STAT_KEYS)
@@ -177,8 +177,7 @@ class OffloadEngine:
         longest a run expects), so that none of them waits for new pinned memory. Before
         the first step the request is kept and made when the engine starts. Raises
         ValueError for a bad size, RuntimeError when the pool refuses (host_memory_limit)."""
-        if isinstance(num_bytes, bool) or not isinstance(num_bytes, int) or num_bytes < 0:
-            raise ValueError(f"num_bytes: expected a non-negative int, got {num_bytes!r}")
+        check_int("num_bytes", num_bytes, 0, INT64_MAX)
         if self._offloader is not None and num_bytes > 0:
             self._offloader.reserve_host(num_bytes)
 

@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
 
 from ckpt_offload import OffloadConfig
-from ckpt_offload.config import make_config
+from ckpt_offload.config import INT64_MAX, check_int, make_config
 from ckpt_offload.hf.arguments import OffloadArguments
 from ckpt_offload.hf.install import OffloadHandle
 
@@ -65,9 +65,8 @@ class ActivationOffloadCallback(TrainerCallback):
     def __init__(self, config: Optional[OffloadConfig] = None, *,
                  tokens_hint: Optional[int] = None, **overrides):
         self.config = make_config(config, **overrides)
-        if tokens_hint is not None and (isinstance(tokens_hint, bool) or not isinstance(
-                tokens_hint, int) or tokens_hint <= 0):
-            raise ValueError(f"tokens_hint: expected a positive int, got {tokens_hint!r}")
+        if tokens_hint is not None:
+            check_int("tokens_hint", tokens_hint, 1, INT64_MAX)
         self.tokens_hint = tokens_hint
         self.handle: Optional[OffloadHandle] = None
         self.final_totals: Optional[Dict[str, float]] = None

@@ -45,7 +45,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import ckpt_offload
 from ckpt_offload import STAT_KEYS, OffloadConfig
-from ckpt_offload.config import make_config
+from ckpt_offload.config import INT64_MAX, check_int, make_config
 from ckpt_offload.hf.compile import (
     CompiledRegions, backend_of, enclosing_compiled_module, tell_once)
 
@@ -333,12 +333,9 @@ class OffloadHandle:
         returns the bytes reserved now. Now: an estimate (every checkpointed layer's input
         and the LM head's, hidden size x the embeddings' element size per token); after the
         first step, what that step held per token, scaled to `tokens`."""
-        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens <= 0:
-            raise ValueError(f"tokens: expected a positive int, got {tokens!r}")
+        check_int("tokens", tokens, 1, INT64_MAX)
         hidden = _hidden_size(self.model)
-        embeddings = self.model.get_input_embeddings() if hasattr(
-            self.model, "get_input_embeddings") else None
-        weight = getattr(embeddings, "weight", None)
+        weight = getattr(self._embeddings[0], "weight", None) if self._embeddings else None
         element = weight.element_size() if isinstance(weight, torch.Tensor) else 4
         num_bytes = (len(self._layers) + 1) * tokens * hidden * element
         self.engine.reserve_host(num_bytes)
