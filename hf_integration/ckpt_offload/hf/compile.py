@@ -33,7 +33,6 @@ from transformers import PreTrainedModel
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 _MISSING = object()
-_NORM_SUFFIXES = ("Norm", "RMSNorm", "LayerNorm")
 
 
 class CompiledRegions:
@@ -137,7 +136,7 @@ def region_modules(model: nn.Module) -> List[nn.Module]:
     inside = {id(sub) for layer in layers for sub in layer.modules()}
     norms = [m for m in model.modules()
              if id(m) not in inside and not any(True for _ in m.children())
-             and type(m).__name__.endswith(_NORM_SUFFIXES)]
+             and type(m).__name__.endswith("Norm")]  # RMSNorm, LayerNorm, ...
     return layers + norms
 
 
