@@ -2,9 +2,10 @@
 
     python benchmarks/compile_bench.py --configs llama3-1b:8192,llama3-8b:32768 --out DIR
 
-Workload: peft LoRA (r=16, all linear layers) on random-init bf16 Llama-3-shaped models
-(vocabulary 128256; the 1B ties its embeddings), batch 1, sdpa attention, non-reentrant
-gradient checkpointing, loss computed by the model (transformers' ForCausalLMLoss).
+Workload (benchmarks/workloads.py): peft LoRA (r=16, all linear layers) on random-init bf16
+Llama-3-shaped models (vocabulary 128256; the 1B ties its embeddings), batch 1, sdpa
+attention, non-reentrant gradient checkpointing, loss computed by the model (transformers'
+ForCausalLMLoss).
 Every mode has its own model; all share the same frozen base weights (one copy on the
 GPU) and get identical LoRA weights and token ids. Modes run interleaved, one step each per
 round, so drift hits all alike; the first rounds (compilation, warm-up) are not timed.
@@ -33,58 +34,15 @@ from typing import Callable, Dict, List
 
 import torch
 
-# The same run metadata and peer-module loading as the eager benchmark (this directory).
-from gpu_bench import _load_module, meta
+# The same run metadata as the eager benchmark, workloads and peers as real_bench.
+from gpu_bench import meta
+from peers import peer_context
+from workloads import SHAPES, base_model, lora_model
 
 GIB = 2**30
 
-SHAPES = {
-    "llama3-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      tie_word_embeddings=True),
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                      num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-                      tie_word_embeddings=False),
-    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                 num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
-                 tie_word_embeddings=True),
-}
-
 ALL_MODES = ("compiled_ckpt", "compiled_ckpt_offload", "compiled_regions_ckpt",
              "compiled_axolotl_hs", "ckpt", "ckpt_offload")
-
-
-def base_model(shape: str, seq: int):
-    import transformers
-
-    config = transformers.LlamaConfig(**SHAPES[shape], max_position_embeddings=seq,
-                                      attn_implementation="sdpa", use_cache=False)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        return transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-
-
-def lora_model(base):
-    """A model sharing `base`'s weights (no copy), with its own LoRA adapters (same seed)."""
-    import transformers
-    from peft import LoraConfig, get_peft_model
-
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(base.config)
-    model.load_state_dict(base.state_dict(), assign=True)
-    buffers = dict(base.named_buffers())
-    for name, _ in list(model.named_buffers()):  # non-persistent ones (rotary frequencies)
-        owner_name, _, leaf = name.rpartition(".")
-        owner = model.get_submodule(owner_name) if owner_name else model
-        owner._buffers[leaf] = buffers[name]
-    model.tie_weights()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.enable_input_require_grads()
-    torch.manual_seed(1)
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
-                                             lora_dropout=0.0, task_type="CAUSAL_LM"))
-    model.train()
-    return model
 
 
 class Mode:
@@ -123,27 +81,8 @@ def make_mode(name: str, base, peers_dir: str) -> Mode:
 
 
 def axolotl_mode(model, peers_dir: str) -> Mode:
-    """axolotl's `activation_offloading: hidden_states`: a marker patched onto
-    GradientCheckpointingLayer.__call__ (the class, so only around this mode's steps) and a
-    saved-tensors context around forward and backward."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    path = os.path.join(peers_dir, "axolotl", "monkeypatch", "checkpoint_activation_offload.py")
-    peer = _load_module("axolotl_hs_offload", path)
-    original = GradientCheckpointingLayer.__call__
-    peer.patch_gradient_checkpointing_layer_marker()
-    patched = GradientCheckpointingLayer.__call__
-    GradientCheckpointingLayer.__call__ = original
-
-    @contextlib.contextmanager
-    def context():
-        GradientCheckpointingLayer.__call__ = patched
-        try:
-            with peer.get_checkpoint_hidden_states_offloading_ctx_manager():
-                yield
-        finally:
-            GradientCheckpointingLayer.__call__ = original
-
+    """axolotl's `activation_offloading: hidden_states` around a whole-model compile."""
+    context = peer_context("axolotl_hs", model, peers_dir)
     return Mode("compiled_axolotl_hs", model, torch.compile(model), context=context)
 
 
@@ -169,9 +108,7 @@ def step(mode: Mode, ids) -> None:
 
 def run_config(shape: str, seq: int, names: List[str], rounds: int, warmup: int,
                peers_dir: str) -> List[Dict]:
-    base = base_model(shape, seq)
-    for param in base.parameters():
-        param.requires_grad_(False)
+    base = base_model(shape)
     modes = []
     for name in names:
         try:

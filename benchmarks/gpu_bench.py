@@ -102,81 +102,21 @@ class SaveOnCpu(Mode):
         return torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
-def _load_module(name: str, path: str):
-    import importlib.util
+class Peer(Mode):
+    """A peer's step context (benchmarks/peers.py), made once and entered every step."""
 
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    def __init__(self, name: str, context):
+        self.name, self.context = name, context
 
 
-def peer_modes(model_holder) -> List[Mode]:
-    """Peers' offload contexts, when their code is importable here.
+def peer_modes(model) -> List[Mode]:
+    """axolotl's hidden-states offload and TRL's activation offloading, when their module
+    files are found (CKPT_OFFLOAD_PEERS_DIR, filled by tools/gpu_peers.sh)."""
+    from peers import contexts
 
-    Each is loaded from its module file (CKPT_OFFLOAD_PEERS_DIR, filled by
-    tools/gpu_peers.sh from the peers' PyPI wheels, or an installed package) without the
-    package's __init__, which pulls in much more (and axolotl pins a newer torch):
-    - TRL's activation offloading (trl/models/activation_offloading.py);
-    - axolotl's hidden-states offload for non-reentrant checkpointing, what
-      `activation_offloading: hidden_states` runs (axolotl/monkeypatch/
-      checkpoint_activation_offload.py): a marker on GradientCheckpointingLayer.__call__
-      and a saved-tensors context around forward and backward.
-    """
-    modes = []
-    peers_dir = os.environ.get("CKPT_OFFLOAD_PEERS_DIR", "")
-    modes.extend(_axolotl_mode(peers_dir))
-    trl_file = os.path.join(peers_dir, "trl", "models", "activation_offloading.py")
-    try:
-        if peers_dir and os.path.exists(trl_file):
-            trl_offload = _load_module("trl_activation_offloading", trl_file)
-        else:
-            import trl.models.activation_offloading as trl_offload  # type: ignore
-
-        class Trl(Mode):
-            name = "trl_offload"
-
-            def context(self):
-                return trl_offload.get_act_offloading_ctx_manager(model_holder[0])
-
-        modes.append(Trl())
-    except Exception as error:  # noqa: BLE001 - any import failure means "not available"
-        print(f"note: TRL activation offloading not importable ({type(error).__name__}: {error})")
-    return modes
-
-
-def _axolotl_mode(peers_dir: str) -> List[Mode]:
-    path = os.path.join(peers_dir, "axolotl", "monkeypatch", "checkpoint_activation_offload.py")
-    try:
-        if peers_dir and os.path.exists(path):
-            axolotl_offload = _load_module("axolotl_checkpoint_activation_offload", path)
-        else:
-            import axolotl.monkeypatch.checkpoint_activation_offload as axolotl_offload  # type: ignore
-    except Exception as error:  # noqa: BLE001 - any import failure means "not available"
-        print(f"note: axolotl hidden-states offload not importable ({type(error).__name__}: "
-              f"{error})")
-        return []
-
-    class AxolotlHiddenStates(Mode):
-        name = "axolotl_hs_offload"
-
-        def setup(self, model):
-            from transformers.modeling_layers import GradientCheckpointingLayer
-
-            self.original_call = GradientCheckpointingLayer.__call__
-            axolotl_offload.patch_gradient_checkpointing_layer_marker()
-
-        def context(self):
-            return axolotl_offload.get_checkpoint_hidden_states_offloading_ctx_manager()
-
-        def teardown(self, model):
-            from transformers.modeling_layers import GradientCheckpointingLayer
-
-            GradientCheckpointingLayer.__call__ = self.original_call
-            axolotl_offload._ORIG_GRADIENT_CHECKPOINTING_LAYER_CALL = None
-
-    return [AxolotlHiddenStates()]
+    names = {"axolotl_hs": "axolotl_hs_offload", "trl": "trl_offload"}
+    found = contexts(names, model, os.environ.get("CKPT_OFFLOAD_PEERS_DIR", ".peers"))
+    return [Peer(names[name], context) for name, context in found.items()]
 
 
 def train_step(model, ids, mode: Mode) -> float:
@@ -392,7 +332,7 @@ def main(argv=None):
         if "save_on_cpu" in wanted and seq != "var":
             modes.append(SaveOnCpu())
         if "peers" in wanted and seq != "var":
-            modes.extend(peer_modes([model]))
+            modes.extend(peer_modes(model))
         baseline = None
         label = f"{shape}:{seq}"
         for mode in modes:
