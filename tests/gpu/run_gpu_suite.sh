@@ -37,7 +37,7 @@ for binary in .gpu_bin/*; do
 done
 cd "$ROOT/tests"  # import the installed package, not the source tree
 part pytest_gpu python3 -m pytest -q -s -p no:cacheprovider gpu/torch_gpu_test.py ${GPU_PYTEST_EXTRA:-}
-for extra in ${GPU_EXTRA_TESTS:-gpu/hf_gpu_test.py gpu/soak_gpu_test.py}; do
+for extra in ${GPU_EXTRA_TESTS:-gpu/hf_gpu_test.py gpu/fused_loss_gpu_test.py gpu/soak_gpu_test.py}; do
   part "pytest_$(basename "$extra" .py)" python3 -m pytest -q -s -p no:cacheprovider "$extra"
 done
 part sanitizer_memcheck timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 python3 gpu/sanitizer_step.py
