@@ -3,12 +3,14 @@
 # (the device tool returns at most 8 files). Usage on the GPU machine, from the repo root:
 #   CKPT_OFFLOAD_COMMIT=<hash> bash tools/gpu_call.sh "suite" "bench:<gpu_bench args>" ...
 # Jobs: suite | pytest:<args> | py:<args> (python3 <args> from tests/) | bench:<args> |
-#       packbench:<source tree of the base to compare with>
+#       packbench:<source tree of the base to compare with> | real:<real_bench args>
 set -uo pipefail
 LOGS=/tmp/gpu_logs
 rm -rf "$LOGS" && mkdir -p "$LOGS"
 export CKPT_OFFLOAD_PEERS_DIR="$(pwd)/.peers" PYTHONUNBUFFERED=1
 export CKPT_OFFLOAD_PEERS="$(cat .peers/VERSIONS 2>/dev/null)"
+# The fused losses' pure-Python packages (tools/gpu_peers.sh).
+export PYTHONPATH="$(pwd)/.peers/site${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 installed=0
 # A warm machine keeps what an earlier call installed: skip the build when this commit is in.
@@ -59,6 +61,12 @@ for job in "$@"; do
       # shellcheck disable=SC2086
       (cd /tmp && python3 "$OLDPWD/benchmarks/gpu_bench.py" ${job#bench:} --out "$LOGS/bench") \
         2>&1 | tee -a "$LOGS/bench/bench.log" || status=1 ;;
+    real:*)
+      install_once
+      mkdir -p "$LOGS/real"
+      # shellcheck disable=SC2086
+      (cd /tmp && python3 "$OLDPWD/benchmarks/real_bench.py" ${job#real:} --out "$LOGS/real") \
+        2>&1 | tee -a "$LOGS/real/real.log" || status=1 ;;
     *) echo "unknown job $job"; status=1 ;;
   esac
   # After every job: a call that runs past its time limit still returns what finished.
