@@ -83,7 +83,7 @@ def run(loss: str, offload: bool):
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated() - before)
         losses.append(value.detach().float().item())
-        grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
+        grads.append({n: p.grad.detach().cpu() for n, p in model.named_parameters()
                       if p.requires_grad})
         model.zero_grad(set_to_none=True)
         del value
@@ -125,6 +125,7 @@ def test_fused_loss_with_offload(loss):
     else:  # the library's kernels are not deterministic: offload must stay within that
         assert largest_difference(reference, offloaded) <= 2 * spread
     assert all(count >= LAYERS - 1 for count in offloaded["offloaded"]), offloaded["offloaded"]
-    assert max(offloaded["peaks"]) < min(reference["peaks"])
+    # After the first step, whose peak includes the loss kernels' first-use buffers.
+    assert max(offloaded["peaks"][1:]) < min(reference["peaks"][1:])
     # The first step's leftovers are the GPU's own first-use buffers (cuBLAS workspaces).
     assert offloaded["leftovers"][1:] == [0] * (STEPS - 1), offloaded["leftovers"]
