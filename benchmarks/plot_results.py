@@ -70,24 +70,27 @@ def plot_memory(timelines, title, path):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("results", nargs="+", help="gpu_bench JSON files")
+    parser.add_argument("results", nargs="*", help="gpu_bench JSON files (overhead plot)")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--memory", nargs="*", default=[],
                         help="LABEL=timeline.json pairs for the memory plot")
     parser.add_argument("--memory_title", default="GPU memory over one training step")
+    parser.add_argument("--memory_png", default="memory_step.png")
     args = parser.parse_args()
     runs = []
     for path in args.results:
         with open(path) as f:
             runs.extend(json.load(f)["runs"])
-    plot_overhead([r for r in runs if r["seq"] != "var"], os.path.join(args.out, "overhead.png"))
+    if runs:
+        plot_overhead([r for r in runs if r["seq"] != "var"],
+                      os.path.join(args.out, "overhead.png"))
     if args.memory:
         timelines = []
         for item in args.memory:
             label, _, path = item.partition("=")
             with open(path) as f:
                 timelines.append((label, json.load(f)))
-        plot_memory(timelines, args.memory_title, os.path.join(args.out, "memory_step.png"))
+        plot_memory(timelines, args.memory_title, os.path.join(args.out, args.memory_png))
 
 
 if __name__ == "__main__":
