@@ -48,6 +48,8 @@ from ckpt_offload import STAT_KEYS, OffloadConfig
 from ckpt_offload.config import INT64_MAX, check_int, make_config
 from ckpt_offload.hf.compile import (
     CompiledRegions, backend_of, enclosing_compiled_module, tell_once)
+from ckpt_offload.hf.peak import STAT_KEYS as PEAK_STAT_KEYS
+from ckpt_offload.hf.peak import PeakTracker
 
 logger = logging.getLogger("ckpt_offload.hf")
 
@@ -137,6 +139,10 @@ class OffloadHandle:
     `owner`: who installed it (ActivationOffloadCallback, or None for a user's own call).
     `replace(old_handle) -> bool`: whether an installation found on the model is stale and
     may be uninstalled first; without it, any installation found raises RuntimeError.
+
+    The second training micro-step after installation is profiled: peak_breakdown() says
+    where its device-memory peak is (see ckpt_offload.hf.peak). On CUDA the allocator's
+    peak counter (torch.cuda.max_memory_allocated) is reset during that one step.
     """
 
     def __init__(self, model: nn.Module, config: OffloadConfig, *, owner: Any = None,
@@ -187,6 +193,7 @@ class OffloadHandle:
         # the tokens of the step that runs now.
         self._reserve_tokens: Optional[int] = None
         self._step_tokens = 0
+        self._peak = PeakTracker(self)
         try:
             self._install()
             if compile_options is not None:
@@ -284,6 +291,8 @@ class OffloadHandle:
         Idempotent. Figures stay readable through stats() and totals()."""
         if self._step_open:
             self._harvest(synchronize=True)
+        self._peak.cancel()
+        self._peak.remove_meters()
         if self.regions is not None:
             self.regions.remove()
             self.regions = None
@@ -395,7 +404,17 @@ class OffloadHandle:
 
     def stats(self) -> Dict[str, float]:
         """Engine figures of the latest training micro-step (its forward and, once run, its
-        backward), with micro_steps: the training forwards run since enable."""
+        backward), with micro_steps: the training forwards run since enable, and once a
+        profiled step has finished, its peak breakdown's figures (peak_step_bytes,
+        peak_head_loss_bytes, peak_layer_recompute_bytes, peak_hidden_states_kept_bytes,
+        peak_offload_removed_bytes; see peak_breakdown())."""
+        figures = self._engine_figures()
+        breakdown = self.peak_breakdown()
+        if breakdown is not None:
+            figures.update((key, breakdown[name]) for name, key in PEAK_STAT_KEYS.items())
+        return figures
+
+    def _engine_figures(self) -> Dict[str, float]:
         if self._step_open:
             self.engine.synchronize()  # settles in-flight copies and their wait figures
         live = self.engine.stats()
@@ -407,12 +426,37 @@ class OffloadHandle:
         figures["micro_steps"] = self._micro_steps
         return figures
 
+    def peak_breakdown(self) -> Optional[Dict[str, Any]]:
+        """Where the profiled micro-step's device-memory peak is, or None before one has
+        finished (also when a run has a single step). Bytes above the memory allocated when
+        the step began:
+
+            step_peak_bytes           the step's peak
+            head_loss_bytes           final norm, LM head, loss forward and backward (the
+                                      stretch from the last layer's forward to the first
+                                      recompute), above the stretch's start
+            layer_recompute_bytes     the largest layer recompute + backward, above its start
+            hidden_states_kept_bytes  checkpointed layer inputs still on the device at the
+                                      end of forward (keep_last, cap fallbacks)
+            offload_removed_bytes     what offload moved off the device in the step
+
+        and dominant ("head_loss", "layer_recompute" or "hidden_states_kept"), advice (one
+        sentence), micro_step (which one was profiled) and meter ("cuda" or "cpu")."""
+        self._peak.remove_meters()
+        result = self._peak.result
+        return dict(result) if result is not None else None
+
+    def profile_next_step(self) -> None:
+        """Profiles the next training micro-step again (after the sequence length or batch
+        changed, say); peak_breakdown() keeps the previous result until it has finished."""
+        self._peak.profile_next_step()
+
     def totals(self) -> Dict[str, float]:
         """Per-step counters summed over every micro-step since enable, peaks as their
         maximum, host-pool figures as they are now, and micro_steps."""
         totals = {key: 0 for key in STAT_KEYS if key not in STANDING_FIGURES}
         totals.update(self._totals)
-        current = self.stats()
+        current = self._engine_figures()
         if self._step_open:
             _accumulate(totals, current)
         for key in STANDING_FIGURES:
@@ -544,8 +588,16 @@ class _OffloadingCheckpoint:
             self._warn_untaggable(function)
         kwargs.pop("use_reentrant", None)
         options = {**self.options, **kwargs, "use_reentrant": False}
+        profile = self.handle._peak.current
+        if profile is None or not profile.in_forward:
+            with ckpt_offload.mark_checkpoint_inputs(*tensors):
+                return torch.utils.checkpoint.checkpoint(function, *args, **options)
+        # The profiled step: its recompute in backward is a phase boundary.
         with ckpt_offload.mark_checkpoint_inputs(*tensors):
-            return torch.utils.checkpoint.checkpoint(function, *args, **options)
+            output = torch.utils.checkpoint.checkpoint(
+                profile.recompute_probe(function), *args, **options)
+        profile.layer_forward_ended(tensors)
+        return output
 
     def _warn_untaggable(self, function: Callable) -> None:
         owner = getattr(getattr(function, "func", function), "__self__", None)
@@ -637,8 +689,18 @@ class _OffloadingForward:
             return self.original(*args, **kwargs)
         handle._begin_step(_token_count(args, kwargs))
         handle._swap_require_grads_hooks()
-        with handle.engine:
-            return self.original(*args, **kwargs)
+        profile = handle._peak.begin_step(handle._micro_steps)
+        if profile is None:
+            with handle.engine:
+                return self.original(*args, **kwargs)
+        try:
+            with handle.engine:
+                outputs = self.original(*args, **kwargs)
+        except BaseException:
+            handle._peak.forward_failed()
+            raise
+        profile.forward_ended(handle.engine, outputs)
+        return outputs
 
     def __reduce_ex__(self, protocol):
         return self.handle._forward_reduction()
