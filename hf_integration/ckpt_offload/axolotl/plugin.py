@@ -66,10 +66,11 @@ class ActivationOffloadPlugin(BasePlugin):
                 "loaded; load the model through Axolotl's ModelLoader with the plugin listed")
         # Ahead of the report_to integrations, so wandb & co. receive the offload/ figures.
         # Axolotl's sequence_len bounds every sample (packed or not): the host pool is sized
-        # for its longest micro-batch before the first step.
+        # for its longest micro-batch before the first step. Its info lines (the peak
+        # breakdown) go through this plugin's logger: Axolotl shows only axolotl.* loggers'.
         tokens = None
         if isinstance(cfg.sequence_len, int) and cfg.sequence_len > 0:
             tokens = cfg.sequence_len * max(1, int(cfg.micro_batch_size or 1))
         self.callback = ActivationOffloadCallback(
-            self.offload_config, tokens_hint=tokens).attach(trainer)
+            self.offload_config, tokens_hint=tokens, logger=LOG).attach(trainer)
         LOG.info("ckpt_offload: ActivationOffloadCallback registered")

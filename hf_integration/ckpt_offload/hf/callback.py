@@ -11,7 +11,7 @@ import functools
 import logging
 import sys
 import weakref
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import CallbackHandler
@@ -20,6 +20,7 @@ from ckpt_offload import OffloadConfig
 from ckpt_offload.config import INT64_MAX, check_int, make_config
 from ckpt_offload.hf.arguments import OffloadArguments
 from ckpt_offload.hf.install import OffloadHandle
+from ckpt_offload.hf.peak import report_lines
 
 GIB = float(1 << 30)
 
@@ -28,6 +29,15 @@ logger = logging.getLogger("ckpt_offload.hf")
 # TrainingArguments fields (of trainers built on it) that bound a sample's length in tokens:
 # TRL's SFTConfig and DPOConfig call it max_length.
 _MAX_LENGTH_ARGS = ("max_length", "max_seq_length")
+
+# on_log keys of the peak breakdown, and the breakdown's figures they show.
+PEAK_FIGURES = {
+    "offload/peak_step_gib": "step_peak_bytes",
+    "offload/peak_head_loss_gib": "head_loss_bytes",
+    "offload/peak_layer_recompute_gib": "layer_recompute_bytes",
+    "offload/peak_hidden_states_kept_gib": "hidden_states_kept_bytes",
+    "offload/peak_offload_removed_gib": "offload_removed_bytes",
+}
 
 # How far up the call stack the Trainer is looked for (it is a few frames above a callback).
 _MAX_FRAMES = 64
@@ -52,22 +62,35 @@ class ActivationOffloadCallback(TrainerCallback):
       enable_activation_offload(), or by another callback of the same Trainer, raises
       RuntimeError.
     - on_log: adds `offload/...` figures (per optimizer step, averaged since the last log).
+    - After the profiled micro-step (the second; see OffloadHandle.peak_breakdown()): logs
+      where its device-memory peak is, once, and adds `offload/peak_*_gib` figures to the
+      next on_log. With `skip_memory_metrics=False` no step is profiled (it would reset the
+      allocator's peak counter, which the Trainer's memory metrics read).
     - on_train_end: uninstalls; the model's forward and checkpoint functions are the same
       objects as before.
 
     Overrides are OffloadConfig fields (keep_last, prefetch_depth, host_memory_limit, ...);
-    bad values raise ValueError naming the field, here, before training starts.
+    bad values raise ValueError naming the field, here, before training starts. `logger`:
+    where the callback's info lines go (default: the "ckpt_offload.hf" logger).
 
     The Trainer stores each log in state.log_history before any callback sees it; the
     history entry is updated here too.
     """
 
     def __init__(self, config: Optional[OffloadConfig] = None, *,
-                 tokens_hint: Optional[int] = None, **overrides):
+                 tokens_hint: Optional[int] = None,
+                 logger: Optional[logging.Logger] = None, **overrides):
         self.config = make_config(config, **overrides)
         if tokens_hint is not None:
             check_int("tokens_hint", tokens_hint, 1, INT64_MAX)
+        if logger is not None and not isinstance(logger, (logging.Logger,
+                                                          logging.LoggerAdapter)):
+            raise ValueError(f"logger: expected a logging.Logger, got "
+                             f"{type(logger).__name__} {logger!r}")
         self.tokens_hint = tokens_hint
+        self.log = logger if logger is not None else logging.getLogger("ckpt_offload.hf")
+        self.peak_breakdown: Optional[Dict[str, Any]] = None  # the latest one reported
+        self._peak_figures: Optional[Dict[str, float]] = None  # for the next on_log
         self.handle: Optional[OffloadHandle] = None
         self.final_totals: Optional[Dict[str, float]] = None
         self._logged_totals: Optional[Dict[str, float]] = None
@@ -102,6 +125,14 @@ class ActivationOffloadCallback(TrainerCallback):
         if model is None:
             raise ValueError("ActivationOffloadCallback: the Trainer passed no model")
         self.handle = OffloadHandle(model, self.config, owner=self, replace=self._is_stale)
+        self.peak_breakdown = self._peak_figures = None
+        if not getattr(args, "skip_memory_metrics", True):
+            # The profiled step resets the allocator's peak counter, which the Trainer's
+            # memory metrics read.
+            self.handle._peak.cancel()
+            self.log.info("ckpt_offload.hf: skip_memory_metrics=False, so the step's peak is "
+                          "not broken down (that would reset the peak counter the Trainer's "
+                          "memory metrics read)")
         self._reserve_up_front(args)
         self._training = True
         self.final_totals = None
@@ -128,8 +159,27 @@ class ActivationOffloadCallback(TrainerCallback):
             logger.warning("ckpt_offload.hf: the host pool was not sized up front (%s); it "
                            "grows as steps need it", error)
             return
-        logger.info("ckpt_offload.hf: host pool sized up front for %d tokens per micro-batch "
-                    "(%s): %.2f GiB", tokens, source, reserved / GIB)
+        self.log.info("ckpt_offload.hf: host pool sized up front for %d tokens per "
+                      "micro-batch (%s): %.2f GiB", tokens, source, reserved / GIB)
+
+    def on_pre_optimizer_step(self, args, state, control, **kwargs):
+        self._report_peak(state)  # before the optimizer: the CPU meter leaves with it
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self._report_peak(state)
+
+    def _report_peak(self, state) -> None:
+        """Logs a breakdown not reported yet (one per run, unless profile_next_step()) and
+        keeps its figures for the next on_log."""
+        if self.handle is None:
+            return
+        breakdown = self.handle.peak_breakdown()
+        if breakdown is None or breakdown == self.peak_breakdown:
+            return
+        self.peak_breakdown = breakdown
+        self._peak_figures = {key: breakdown[name] / GIB for key, name in PEAK_FIGURES.items()}
+        if state.is_world_process_zero:
+            self.log.info("\n".join(report_lines(breakdown)))
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.handle is None or logs is None:
@@ -138,6 +188,10 @@ class ActivationOffloadCallback(TrainerCallback):
         if totals["micro_steps"] == self._logged_totals["micro_steps"]:
             return  # no training step since the last log: an evaluation or the summary
         figures = self._figures(totals, steps=max(1, state.global_step - self._logged_step))
+        self._report_peak(state)
+        if self._peak_figures is not None:
+            figures.update(self._peak_figures)
+            self._peak_figures = None
         logs.update(figures)
         # The Trainer appended its copy of these logs to the history before callbacks ran.
         history = state.log_history[-1] if state.log_history else None
