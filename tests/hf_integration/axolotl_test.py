@@ -304,6 +304,12 @@ def test_axolotl_train_end_to_end_matches_plain_checkpointing(assets, tmp_path):
 
     assert "done by ckpt_offload" in output
     assert "ActivationOffloadCallback registered" in output
+    # The peak breakdown, once, through the plugin's logger (Axolotl drops other INFO lines),
+    # and its figures in the second step's log.
+    assert output.count("where the device-memory peak is") == 1
+    assert "axolotl.integrations.ckpt_offload" in output.split(
+        "where the device-memory peak is")[0].splitlines()[-1]
+    assert ["offload/peak_step_gib" in log for log in logs] == [False, True, False, False]
     assert len(logs) == len(plain_logs) == 4
     assert [log["loss"] for log in logs] == [log["loss"] for log in plain_logs]
     for log in logs:
