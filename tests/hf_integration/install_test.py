@@ -1,6 +1,7 @@
 """enable_activation_offload on models in custom loops: bit-exact gradients, what gets tagged,
 wrappers (DDP, accelerate), and misuse that must leave the model untouched."""
 
+import copy
 import functools
 import warnings
 
@@ -13,6 +14,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import ckpt_offload
 from ckpt_offload.hf import enable_activation_offload
+from ckpt_offload.hf.install import installations
 from tiny import HOST, VOCAB, checkpoint_funcs, tiny_llama
 
 LAYERS = 4
@@ -442,4 +444,54 @@ def test_forward_keeps_its_signature_and_a_trainer_reads_it(tmp_path):
                       args=training_args(tmp_path, max_steps=2, gradient_checkpointing=False))
     trainer.train()
     assert handle.totals()["offloaded_tensors"] == 2 * 4
+    handle.disable()
+
+
+def decoder_then_own_loss(model, ids):
+    """A custom loop with its own loss on the decoder's output (what users of a fused loss
+    such as Cut Cross-Entropy write): the causal LM's forward is never called."""
+    hidden = model.model(input_ids=ids).last_hidden_state
+    logits = model.lm_head(hidden).float()
+    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+def test_decoder_called_directly_is_offloaded_bit_identically():
+    def run(offload):
+        model = checkpointed_llama()
+        handle = (enable_activation_offload(model, keep_last=1, offload_head=False, **HOST)
+                  if offload else None)
+        losses, grads, offloaded = [], [], []
+        for step in range(2):
+            loss = decoder_then_own_loss(model, batch(seed=step)["input_ids"])
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            model.zero_grad(set_to_none=True)
+            if handle is not None:
+                offloaded.append(handle.stats()["offloaded_tensors"])
+        return model, handle, losses, grads, offloaded
+
+    _, _, ref_losses, ref_grads, _ = run(offload=False)
+    model, handle, losses, grads, offloaded = run(offload=True)
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    for expected, got in zip(ref_grads, grads):
+        assert all(torch.equal(expected[name], got[name]) for name in expected)
+    assert offloaded == [LAYERS - 1, LAYERS - 1]
+    assert handle.stats()["micro_steps"] == 2
+    # Through the causal LM's forward it is still one step per forward, not one per wrapper.
+    model(**batch()).loss.backward()
+    assert handle.stats()["micro_steps"] == 3
+    handle.disable()
+    assert all("forward" not in module.__dict__ for module in model.modules())
+
+
+def test_deep_copy_of_a_model_offloaded_at_every_level_is_plain():
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, **HOST)
+    copy_of = copy.deepcopy(model)
+    assert installations(copy_of) == []
+    loss = decoder_then_own_loss(copy_of, batch()["input_ids"])
+    loss.backward()
+    assert torch.equal(loss, decoder_then_own_loss(model, batch()["input_ids"]))
+    assert handle.stats()["micro_steps"] == 1  # the original's call only
     handle.disable()

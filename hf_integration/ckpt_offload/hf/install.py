@@ -4,8 +4,10 @@ What an installation changes, and `OffloadHandle.disable()` puts back exactly:
 - each checkpointing module's `_gradient_checkpointing_func` (set by
   `gradient_checkpointing_enable`) becomes a non-reentrant torch checkpoint that tags the
   layer's positional tensor inputs as one ckpt_offload group;
-- `model.forward` of the instance passed in is wrapped so that every training forward (grad
-  enabled, training mode: one micro-step) runs inside the offload engine's context;
+- `forward` of the instance passed in, and of each transformers model inside it that holds
+  the layers (a peft model's causal LM, the causal LM's decoder), is wrapped so that every
+  training forward (grad enabled, training mode: one micro-step) runs inside the offload
+  engine's context, also one that calls the decoder directly and computes its own loss;
 - when gradient checkpointing was off, it is turned on (and off again on disable);
 - forward hooks that `enable_input_require_grads` (transformers, peft) put on the input
   embeddings are swapped for one that makes the embeddings require grad without turning
@@ -94,7 +96,9 @@ def enable_activation_offload(model: nn.Module, config: Optional[OffloadConfig] 
         handle.disable()                      # model exactly as before
 
     `model` may be a PreTrainedModel, a peft.PeftModel, or a DDP/FSDP/accelerate wrapper of
-    one: layers are found through `model.modules()` and `model.forward` is what gets wrapped.
+    one: layers are found through `model.modules()`, and `model.forward` is wrapped (and the
+    forward of the transformers models inside it that hold the layers, for loops that call
+    the decoder and compute their own loss).
     Overrides are OffloadConfig fields. Raises ValueError (naming the field) for bad
     settings and for a model without any transformers GradientCheckpointingLayer, and
     RuntimeError when ckpt_offload is already installed on the model; nothing is changed then.
@@ -176,7 +180,8 @@ class OffloadHandle:
         self._layers = layers
         self._saved_attrs: Dict[nn.Module, Dict[str, Any]] = {}
         self._saved_hooks: Dict[nn.Module, list] = {}
-        self._saved_forward: Any = _MISSING
+        # Each wrapped module's own forward attribute (_MISSING: the class's), outermost first.
+        self._saved_forwards: Dict[nn.Module, Any] = {}
         self._patched: set = set()
         self._turned_on = False
         self._warned_layers: set = set()
@@ -275,15 +280,28 @@ class OffloadHandle:
         self._swapped_hooks.clear()
 
     def _wrap_forward(self) -> None:
-        self._saved_forward = self.model.__dict__.get("forward", _MISSING)
-        self.model.forward = _OffloadingForward(self, self.model.forward)
+        """Wraps the forward of the model and of every transformers model inside it that holds
+        the checkpointed layers (a peft model's causal LM, the causal LM's decoder): a loop
+        that calls the decoder itself and computes its own loss on the hidden states (a
+        fused loss such as Cut Cross-Entropy) is a step too. A call through an outer level
+        is one step: the inner wrappers find its engine context entered."""
+        layers = set(self._layers)
+        levels = [self.model] + [
+            module for module in self.model.modules()
+            if module is not self.model and isinstance(module, PreTrainedModel)
+            and any(m in layers for m in module.modules())]
+        for module in levels:
+            self._saved_forwards[module] = module.__dict__.get("forward", _MISSING)
+            module.forward = _OffloadingForward(self, module, module.forward)
 
-    def _forward_reduction(self):
-        """What the forward wrapper pickles and deep-copies as: the forward it replaced."""
-        if self._saved_forward is _MISSING:
+    def _forward_reduction(self, module: nn.Module):
+        """What `module`'s forward wrapper pickles and deep-copies as: the forward it
+        replaced."""
+        saved = self._saved_forwards.get(module, _MISSING)
+        if saved is _MISSING:
             # The class's forward, bound to the copy (the copy is made before its attributes).
-            return getattr, (self.model, "forward")
-        return _reduced_as(self._saved_forward)
+            return getattr, (module, "forward")
+        return _reduced_as(saved)
 
     def disable(self) -> None:
         """Uninstalls: forward, checkpoint functions and checkpointing flags as before.
@@ -296,13 +314,14 @@ class OffloadHandle:
         if self.regions is not None:
             self.regions.remove()
             self.regions = None
-        forward = self.model.__dict__.get("forward")
-        if isinstance(forward, _OffloadingForward) and forward.handle is self:
-            if self._saved_forward is _MISSING:
-                del self.model.forward
-            else:
-                self.model.forward = self._saved_forward
-        self._saved_forward = _MISSING
+        for module, saved in self._saved_forwards.items():
+            forward = module.__dict__.get("forward")
+            if isinstance(forward, _OffloadingForward) and forward.handle is self:
+                if saved is _MISSING:
+                    del module.forward
+                else:
+                    module.forward = saved
+        self._saved_forwards.clear()
         self._restore_require_grads_hooks()
         for module, saved in self._saved_attrs.items():
             current = module.__dict__.get("_gradient_checkpointing_func")
@@ -663,11 +682,13 @@ def _is_hf_offload(function: Any) -> bool:
 
 
 class _OffloadingForward:
-    """`model.forward` while installed: each training forward (grad enabled, training mode:
-    one micro-step) runs inside the handle's engine context."""
+    """`forward` of the model (and of the transformers models inside it that hold the
+    layers) while installed: each training forward (grad enabled, training mode: one
+    micro-step) runs inside the handle's engine context."""
 
-    def __init__(self, handle: OffloadHandle, original: Callable):
+    def __init__(self, handle: OffloadHandle, module: nn.Module, original: Callable):
         self.handle = handle
+        self.module = module
         self.original = original
         # Name, docstring and __wrapped__, so inspect.signature(model.forward) is the
         # original's (the Trainer reads it to drop dataset columns).
@@ -684,7 +705,7 @@ class _OffloadingForward:
         # Only training forwards are engine steps: without grad nothing is saved, and in
         # eval mode GradientCheckpointingLayer does not checkpoint. A context the user
         # entered around the call is theirs to keep.
-        if not (torch.is_grad_enabled() and handle.model.training) or (
+        if not (torch.is_grad_enabled() and self.module.training) or (
                 ckpt_offload.current_engine() is not None):
             return self.original(*args, **kwargs)
         handle._begin_step(_token_count(args, kwargs))
@@ -703,7 +724,7 @@ class _OffloadingForward:
         return outputs
 
     def __reduce_ex__(self, protocol):
-        return self.handle._forward_reduction()
+        return self.handle._forward_reduction(self.module)
 
     def __deepcopy__(self, memo):
         return _deepcopy_reduced(self, memo)
