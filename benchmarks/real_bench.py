@@ -62,6 +62,7 @@ class Mode:
         self.totals: List[int] = []
         self.losses: List[float] = []
         self.pinned: List[int] = []
+        self.host_peaks: List[int] = []  # the host pool's peak live bytes, per step
         self.error = ""
 
 
@@ -110,7 +111,9 @@ def step(mode: Mode, ids, history: Optional[str] = None) -> None:
     mode.losses.append(float(loss.detach()))
     mode.model.zero_grad(set_to_none=True)
     if mode.handle is not None:
-        mode.pinned.append(int(mode.handle.stats().get("pinned_allocations", 0)))
+        stats = mode.handle.stats()
+        mode.pinned.append(int(stats.get("pinned_allocations", 0)))
+        mode.host_peaks.append(int(stats.get("host_peak_bytes", 0)))
 
 
 def recover(mode: Mode, error: BaseException) -> str:
@@ -129,7 +132,7 @@ def handle_figures(mode: Mode) -> Dict:
                    head_offloaded_gib=stats.get("head_offloaded_bytes", 0) / GIB,
                    exposed_wait_ms=stats.get("exposed_wait_ms", 0),
                    host_reserved_gib=stats.get("host_reserved_bytes", 0) / GIB,
-                   host_peak_gib=stats.get("host_peak_bytes", 0) / GIB,
+                   host_peak_gib=max(mode.host_peaks, default=0) / GIB,  # the run's
                    pinned_allocations_per_step=mode.pinned)
     breakdown = getattr(mode.handle, "peak_breakdown", None)
     if callable(breakdown):
