@@ -215,7 +215,10 @@ struct OffloadEngine::Impl {
         client(client),
         options(options),
         arena(device->MakeHostBackend(), options.arena),
-        event_pool(device) {}
+        event_pool(device) {
+    EngineLock lock(&mu);
+    prefetch_on_acquire = options.prefetch_on_acquire;
+  }
 
   Device* device;
   Client* client;
@@ -239,6 +242,8 @@ struct OffloadEngine::Impl {
   std::vector<std::pair<EntryId, EventPtr>> deferred_releases ABSL_GUARDED_BY(mu);
   std::vector<PendingWait> pending_waits ABSL_GUARDED_BY(mu);
   bool in_backward ABSL_GUARDED_BY(mu) = false;
+  bool prefetch_on_acquire ABSL_GUARDED_BY(mu) = true;  // options.prefetch_on_acquire, settable
+  GroupId last_acquired ABSL_GUARDED_BY(mu) = 0;        // checkpoint group of the latest Acquire
   GroupId next_group ABSL_GUARDED_BY(mu) = 1;
   EntryId next_entry ABSL_GUARDED_BY(mu) = 1;
   // Ids below this and absent from `entries` died in a Reset.
@@ -408,6 +413,7 @@ struct OffloadEngine::Impl {
   void LeaveBackward() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     if (!in_backward) return;
     in_backward = false;
+    last_acquired = 0;
     KeepWindowResident();
     EraseEmptyGroups();
   }
@@ -811,6 +817,20 @@ absl::Status OffloadEngine::PrefetchGroup(GroupId gid, StreamHandle compute) {
   return s.Prefetch(gid, compute);
 }
 
+absl::Status OffloadEngine::PrefetchBelowAcquired(StreamHandle compute) {
+  Impl& s = *impl_;
+  EngineLock lock(&s.mu);
+  CKPT_RETURN_IF_ERROR(s.Poll());
+  if (!s.in_backward || s.last_acquired == 0) return absl::OkStatus();
+  return s.Prefetch(s.last_acquired, compute);
+}
+
+void OffloadEngine::SetPrefetchOnAcquire(bool on) {
+  Impl& s = *impl_;
+  EngineLock lock(&s.mu);
+  s.prefetch_on_acquire = on;
+}
+
 absl::Status OffloadEngine::OffloadPendingGroups(StreamHandle compute) {
   Impl& s = *impl_;
   EngineLock lock(&s.mu);
@@ -914,7 +934,9 @@ absl::StatusOr<OffloadEngine::Acquired> OffloadEngine::Acquire(EntryId id, Strea
   // Prefetch before the hand-over: its H2D copies queue behind this group's anyway, and a
   // failure here must not lose a buffer already handed out (the engine would forget it,
   // the caller would never receive it).
-  CKPT_RETURN_IF_ERROR(s.Prefetch(gid, compute));
+  const bool eager = s.groups.at(gid).eager;
+  if (!eager) s.last_acquired = gid;
+  if (eager || s.prefetch_on_acquire) CKPT_RETURN_IF_ERROR(s.Prefetch(gid, compute));
   if (resident) return Acquired{true, nullptr};
 
   Group& group = s.groups.at(gid);
@@ -1007,6 +1029,7 @@ absl::Status OffloadEngine::Reset() {
   s.pending.clear();
   s.d2h_inflight.clear();
   s.in_backward = false;
+  s.last_acquired = 0;
   s.counters.device_held_bytes = 0;
   s.reset_watermark = s.next_entry;
   return status;

@@ -118,6 +118,9 @@ struct EngineTestPeer;  // engine_states.h: tests read entry and group states
 struct EngineOptions {
   int keep_last = 1;       // groups kept resident at the end of forward
   int prefetch_depth = 1;  // groups fetched ahead during backward
+  // Whether Acquire of a group issues the prefetch of the groups below it. false: the
+  // caller issues it with PrefetchBelowAcquired, later in that group's backward.
+  bool prefetch_on_acquire = true;
   int max_inflight_d2h_groups = 2;
   ArenaOptions arena;
 };
@@ -182,6 +185,16 @@ class OffloadEngine {
   // Restores `group`'s offloaded entries now, and the next prefetch_depth offloaded groups
   // below it, ahead of their Acquire. An unknown (discarded) group is not an error.
   absl::Status PrefetchGroup(GroupId group, StreamHandle compute);
+
+  // Restores the next prefetch_depth offloaded groups below the checkpoint group acquired
+  // last (eager groups aside), ahead of their Acquire; nothing before the first Acquire
+  // of a backward. With prefetch_on_acquire false this is the only prefetch of those
+  // groups: a caller that knows when the acquired group's own backward is past its memory
+  // peak calls it then, so that the restored buffers do not add to that peak. A group not
+  // prefetched is restored at its Acquire (the compute stream waits for it).
+  absl::Status PrefetchBelowAcquired(StreamHandle compute);
+  // Changes prefetch_on_acquire (between steps).
+  void SetPrefetchOnAcquire(bool on);
 
   // Starts the copies of the forward's pending groups (those the keep_last window would
   // keep) now: the caller has an earlier way to restore them (PrefetchGroup of a later

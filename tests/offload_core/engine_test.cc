@@ -1235,6 +1235,62 @@ TEST_F(EngineTest, PrefetchGroupHidesTheHeadRestoreAndTheLayersBelowIt) {
   }
 }
 
+TEST_F(EngineTest, PrefetchBelowAcquiredIssuesTheDeferredPrefetch) {
+  // prefetch_on_acquire off: Acquire of a layer restores only that layer; the caller asks
+  // for the layer below once the layer's backward is past its peak (here after the first
+  // 10 us of its 25 us, the MLP's backward of a transformer layer). The copy (10 us) then
+  // overlaps the remaining 15 us and nothing waits. Without the calls, every offloaded
+  // layer is restored on demand and waited for in full.
+  const size_t kB = kTenMicrosecondBytes;
+  const int kLayers = 6;
+  const int kKeepLast = 1;
+  for (bool call : {true, false}) {
+    SCOPED_TRACE(absl::StrCat("PrefetchBelowAcquired called: ", call));
+    EngineOptions options = Options(kKeepLast, 1);
+    options.prefetch_on_acquire = false;
+    EngineHarness harness(options);
+    harness.engine().ResetStats();
+    const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 10);
+    SavedLayers saved;
+    ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+    ASSERT_TRUE(harness.sim().SynchronizeAll().ok());  // no layer is reclaimed
+    EXPECT_TRUE(harness.engine().PrefetchBelowAcquired(harness.compute()).ok());  // no-op
+    EXPECT_EQ(harness.engine().stats().restored_tensors, 0);
+    for (int layer = kLayers - 1; layer >= 0; --layer) {
+      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, 1).ok());  // the MLP part
+      EXPECT_EQ(harness.engine().stats().prefetched_tensors,
+                call ? std::min(kLayers - kKeepLast, kLayers - 1 - layer) : 0);
+      if (call) ASSERT_TRUE(harness.engine().PrefetchBelowAcquired(harness.compute()).ok());
+      harness.sim().Compute(harness.compute(), 15);  // the rest of the layer's backward
+    }
+    harness.DrainAndCheck();
+    harness.ExpectQuiescent();
+    const EngineStats stats = harness.engine().stats();
+    EXPECT_EQ(stats.restored_tensors, kLayers - kKeepLast);
+    EXPECT_EQ(stats.prefetched_tensors, call ? kLayers - kKeepLast : 0);
+    ExpectNear(harness.sim().blocked_us(harness.compute()),
+               call ? 0 : (kLayers - kKeepLast) * CopyUs(kB, 55), "compute blocked");
+  }
+}
+
+TEST_F(EngineTest, SetPrefetchOnAcquireTurnsTheAcquirePrefetchBackOn) {
+  const size_t kB = kTenMicrosecondBytes;
+  EngineOptions options = Options(1, 1);
+  options.prefetch_on_acquire = false;
+  EngineHarness harness(options);
+  harness.engine().SetPrefetchOnAcquire(true);
+  harness.engine().ResetStats();
+  const StepPlan plan = UniformPlan(4, kB, 1, 20, 30);
+  SavedLayers saved;
+  ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+  ASSERT_TRUE(harness.sim().SynchronizeAll().ok());
+  ASSERT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
+  harness.DrainAndCheck();
+  harness.ExpectQuiescent();
+  EXPECT_EQ(harness.engine().stats().prefetched_tensors, 3);
+  ExpectNear(harness.sim().blocked_us(harness.compute()), 0, "compute blocked");
+}
+
 TEST_F(EngineTest, PrefetchGroupOfAnUnknownOrRestoredGroupDoesNothing) {
   const size_t kB = kTenMicrosecondBytes;
   EngineHarness harness(Options(1, 1));
