@@ -105,6 +105,7 @@ class OffloadEngine:
         self.backend = backend
         # The offloader of the thread that last entered (stats() reads it).
         self._offloader = _offloader_for(config, backend) if backend else None
+        self._prefetch_on_acquire = True
 
     def __enter__(self) -> "OffloadEngine":
         state = _THREAD
@@ -120,6 +121,7 @@ class OffloadEngine:
             # The previous forward's end (if it saw no backward) is part of no step's figures.
             self._offloader.begin_step()
             self._offloader.reset_stats()
+            self._offloader.set_prefetch_on_acquire(self._prefetch_on_acquire)
             hooks = (self._offloader.pack, self._offloader.unpack)
             torch._C._autograd._push_saved_tensors_default_hooks(*hooks)
             state.hooks = hooks
@@ -180,6 +182,23 @@ class OffloadEngine:
         check_int("num_bytes", num_bytes, 0, INT64_MAX)
         if self._offloader is not None and num_bytes > 0:
             self._offloader.reserve_host(num_bytes)
+
+    def set_prefetch_on_acquire(self, on: bool) -> None:
+        """True (the default): restoring a layer's input as its backward begins also
+        prefetches the layer below. False: prefetch_ahead() does, when the caller knows the
+        layer's backward is past its memory peak, so the prefetched input does not add to
+        that peak; a layer not prefetched so is restored when needed (and waited for).
+        Takes effect at the next entry (offloaders are shared by engines of the same
+        settings, so each entry sets its own)."""
+        if not isinstance(on, bool):
+            raise ValueError(f"on: must be True or False, got {on!r}")
+        self._prefetch_on_acquire = on
+
+    def prefetch_ahead(self) -> None:
+        """Prefetches the prefetch_depth layers below the one whose input was restored
+        last (see set_prefetch_on_acquire); nothing outside backward."""
+        if self._offloader is not None:
+            self._offloader.prefetch_ahead()
 
     def stats(self) -> Dict[str, float]:
         if self._offloader is None:

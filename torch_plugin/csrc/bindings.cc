@@ -235,6 +235,8 @@ PYBIND11_MODULE(_C, m) {
       .def("stats", [](const TensorOffloader& self) { return StatsDict(self.stats()); })
       .def("reset_stats", &TensorOffloader::ResetStats)
       .def("set_host_memory_limit", &TensorOffloader::SetHostMemoryLimit, py::arg("bytes"))
+      .def("set_prefetch_on_acquire", &TensorOffloader::SetPrefetchOnAcquire, py::arg("on"))
+      .def("prefetch_ahead", &TensorOffloader::PrefetchAhead)
       .def(
           "reserve_host",
           [](TensorOffloader& self, uint64_t bytes) {

@@ -56,6 +56,7 @@ EngineOptions EngineOptionsFor(const OffloaderConfig& config) {
   options.keep_last = config.keep_last;
   options.prefetch_depth = config.prefetch_depth;
   options.max_inflight_d2h_groups = config.max_inflight_d2h_groups;
+  options.prefetch_on_acquire = config.prefetch_on_acquire;
   options.arena.byte_cap = config.host_memory_limit;
   return options;
 }
@@ -705,6 +706,20 @@ absl::Status TensorOffloader::ReserveHost(uint64_t bytes) {
     return absl::OkStatus();
   }
   return engine_->ReserveHost(bytes);
+}
+
+void TensorOffloader::SetPrefetchOnAcquire(bool on) {
+  MutexLock lock(&engine_mu_);
+  config_.prefetch_on_acquire = on;
+  if (engine_) engine_->SetPrefetchOnAcquire(on);
+}
+
+void TensorOffloader::PrefetchAhead() {
+  // From backward, like the restores: the published engine, without engine_mu_.
+  OffloadEngine* engine = PublishedEngine();
+  if (engine == nullptr) return;
+  const absl::Status status = engine->PrefetchBelowAcquired(ComputeStream(engine_device_));
+  if (!status.ok()) ThrowStatus("prefetching the next layers' inputs", status);
 }
 
 void TensorOffloader::SetHostMemoryLimit(uint64_t bytes) {

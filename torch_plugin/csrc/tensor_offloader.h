@@ -79,6 +79,8 @@ struct OffloaderConfig {
   Scope scope = Scope::kCheckpointInputs;
   int max_inflight_d2h_groups = 2;
   bool offload_head = true;
+  // EngineOptions::prefetch_on_acquire; false: PrefetchAhead() issues the prefetch.
+  bool prefetch_on_acquire = true;
 };
 
 class TensorOffloader;
@@ -244,6 +246,13 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   bool has_engine() const ABSL_LOCKS_EXCLUDED(engine_mu_);
   // Host-arena cap, changeable between steps.
   void SetHostMemoryLimit(uint64_t bytes) ABSL_LOCKS_EXCLUDED(engine_mu_);
+  // Whether restoring a layer's input (its backward begins) also prefetches the layers
+  // below it (the default), or PrefetchAhead() does, later in that layer's backward: after
+  // its memory peak, so that the prefetched input does not add to it. Between steps.
+  void SetPrefetchOnAcquire(bool on) ABSL_LOCKS_EXCLUDED(engine_mu_);
+  // OffloadEngine::PrefetchBelowAcquired on the current stream; nothing before the engine
+  // exists. Called from backward (a gradient hook). Throws c10::Error when a copy failed.
+  void PrefetchAhead() ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   // Grows the host pool up front for `bytes` of offloaded data (what the longest step a
   // run expects will offload; OffloadEngine::ReserveHost), so that steps up to that size
   // allocate no pinned memory. Before the first step there is no engine yet: the request
