@@ -495,3 +495,70 @@ def test_deep_copy_of_a_model_offloaded_at_every_level_is_plain():
     assert torch.equal(loss, decoder_then_own_loss(model, batch()["input_ids"]))
     assert handle.stats()["micro_steps"] == 1  # the original's call only
     handle.disable()
+
+
+def record_mlp_backward_starts(model, events):
+    """Appends ("mlp", i) when layer i's MLP begins its backward (the gradient of its output
+    is ready), in the forward's graph, which backward runs through."""
+    for index, layer in enumerate(model.model.layers):
+        def hook(module, inputs, output, index=index):
+            if torch._C._current_graph_task_id() == -1 and output.requires_grad:
+                output.register_hook(lambda grad: events.append(("mlp", index)))
+        layer.mlp.register_forward_hook(hook)
+
+
+def test_the_layer_below_is_prefetched_after_the_mlp_backward_not_before():
+    # The prefetched input would otherwise sit on the device through the MLP's backward,
+    # the layer's memory peak.
+    reference = checkpointed_llama()
+    ref_loss = reference(**batch()).loss
+    ref_loss.backward()
+    model = checkpointed_llama()
+    events = []
+    record_mlp_backward_starts(model, events)
+    handle = enable_activation_offload(model, keep_last=1, offload_head=False, **HOST)
+    prefetch = handle.engine.prefetch_ahead
+
+    def recording_prefetch():
+        prefetch()
+        events.append(("prefetched", handle.engine.stats()["prefetched_tensors"]))
+
+    handle.engine.prefetch_ahead = recording_prefetch
+    loss = model(**batch()).loss
+    loss.backward()
+    assert torch.equal(loss, ref_loss)
+    for (name, param), (_, ref_param) in zip(model.named_parameters(),
+                                             reference.named_parameters()):
+        assert torch.equal(param.grad, ref_param.grad), name
+    # Layer 3 (kept) fetches layer 2 after its MLP's backward, and so on down; layer 0 has
+    # nothing below it.
+    assert events == [("mlp", 3), ("prefetched", 1), ("mlp", 2), ("prefetched", 2),
+                      ("mlp", 1), ("prefetched", 3), ("mlp", 0), ("prefetched", 3)]
+    stats = handle.stats()
+    assert stats["prefetched_tensors"] == stats["restored_tensors"] == LAYERS - 1
+    handle.disable()
+
+
+def test_layers_without_an_mlp_prefetch_as_their_recompute_begins():
+    model = checkpointed_llama()
+    for layer in model.model.layers:
+        layer._modules["feed_forward"] = layer._modules.pop("mlp")  # a family naming it so
+        layer.forward = functools.partial(_forward_with_feed_forward, layer)
+    reference = copy.deepcopy(model)
+    handle = enable_activation_offload(model, keep_last=1, offload_head=False, **HOST)
+    loss = model(**batch()).loss
+    loss.backward()
+    ref_loss = reference(**batch()).loss
+    ref_loss.backward()
+    assert torch.equal(loss, ref_loss)
+    stats = handle.stats()
+    assert stats["prefetched_tensors"] == stats["restored_tensors"] == LAYERS - 1
+    handle.disable()
+
+
+def _forward_with_feed_forward(layer, hidden_states, *args, **kwargs):
+    layer.mlp = layer.feed_forward
+    try:
+        return type(layer).forward(layer, hidden_states, *args, **kwargs)
+    finally:
+        del layer.mlp

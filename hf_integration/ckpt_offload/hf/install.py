@@ -178,6 +178,13 @@ class OffloadHandle:
         self.config = config
         self.engine = ckpt_offload.offload_activations(config)
         self._layers = layers
+        # A layer's input brought back ahead of need waits on the device for that layer's
+        # backward; fetched as the layer above starts its backward, it adds to that layer's
+        # peak (its MLP's backward). So it is fetched once the MLP's backward is done (see
+        # _PrefetchAfterMlp), except under a regional compile, whose compiled layers a hook
+        # added in backward would recompile.
+        self._defer_prefetch = config.prefetch_depth > 0
+        self.engine.set_prefetch_on_acquire(not self._defer_prefetch)
         self._saved_attrs: Dict[nn.Module, Dict[str, Any]] = {}
         self._saved_hooks: Dict[nn.Module, list] = {}
         # Each wrapped module's own forward attribute (_MISSING: the class's), outermost first.
@@ -202,6 +209,7 @@ class OffloadHandle:
         try:
             self._install()
             if compile_options is not None:
+                self._prefetch_on_acquire()
                 self.regions = CompiledRegions(model, compile_options)
         except BaseException:
             self.disable()
@@ -370,6 +378,10 @@ class OffloadHandle:
         self._reserve_tokens = tokens
         return num_bytes
 
+    def _prefetch_on_acquire(self) -> None:
+        self._defer_prefetch = False
+        self.engine.set_prefetch_on_acquire(True)
+
     def _compile_like_enclosing(self) -> None:
         """Under torch.compile(model): compiles this model's regions with that compile's
         backend, mode and options, once, and says so once."""
@@ -377,6 +389,7 @@ class OffloadHandle:
         if optimized is None:
             return
         backend = backend_of(optimized)
+        self._prefetch_on_acquire()
         self.regions = CompiledRegions(self.model, {} if backend is None else
                                        {"backend": backend})
         layers = sum(isinstance(m, GradientCheckpointingLayer) for m in self.regions.modules)
@@ -600,6 +613,7 @@ class _OffloadingCheckpoint:
         return _deepcopy_reduced(self, memo)
 
     def __call__(self, function: Callable, *args, **kwargs):
+        layer = getattr(getattr(function, "func", function), "__self__", None)
         function, args = _hidden_states_as_positional(function, args)
         tensors = [a for a in args
                    if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter)]
@@ -608,14 +622,19 @@ class _OffloadingCheckpoint:
         kwargs.pop("use_reentrant", None)
         options = {**self.options, **kwargs, "use_reentrant": False}
         profile = self.handle._peak.current
-        if profile is None or not profile.in_forward:
-            with ckpt_offload.mark_checkpoint_inputs(*tensors):
-                return torch.utils.checkpoint.checkpoint(function, *args, **options)
-        # The profiled step: its recompute in backward is a phase boundary.
+        if profile is not None and not profile.in_forward:
+            profile = None
+        if profile is not None:
+            # The profiled step: its recompute in backward is a phase boundary.
+            function = profile.recompute_probe(function)
+        if self.handle._defer_prefetch and tensors:
+            # Outside the probe: a prefetch at the recompute's start belongs before the
+            # boundary, as one issued when the layer's input is restored would be.
+            function = _PrefetchAfterMlp(self.handle.engine, layer, function)
         with ckpt_offload.mark_checkpoint_inputs(*tensors):
-            output = torch.utils.checkpoint.checkpoint(
-                profile.recompute_probe(function), *args, **options)
-        profile.layer_forward_ended(tensors)
+            output = torch.utils.checkpoint.checkpoint(function, *args, **options)
+        if profile is not None:
+            profile.layer_forward_ended(tensors)
         return output
 
     def _warn_untaggable(self, function: Callable) -> None:
@@ -628,6 +647,44 @@ class _OffloadingCheckpoint:
             f"ckpt_offload.hf: {name} passed no tensor positionally to its checkpoint call and "
             "no `hidden_states=` keyword, so its inputs stay on the device (pass the hidden "
             "states positionally to have them offloaded)", UserWarning, stacklevel=3)
+
+
+class _PrefetchAfterMlp:
+    """A checkpointed layer's function, wrapped so that the layers below are prefetched once
+    this layer's MLP has run its backward (the layer's memory peak); the rest of the layer's
+    backward (attention) hides the copy. In the forward, a forward hook on `layer.mlp`, for
+    that call only, puts a gradient hook on the MLP's input: backward runs through the
+    forward's graph (the recompute only refills its saved tensors), and that gradient is
+    ready when the MLP's backward is done. A layer without an `mlp` module, or whose MLP
+    input needs no gradient, prefetches when its recompute begins instead."""
+
+    def __init__(self, engine, layer: Optional[nn.Module], function: Callable):
+        self.engine = engine
+        self.mlp = getattr(layer, "mlp", None) if layer is not None else None
+        self.function = function
+        self.hooked = False  # a gradient hook prefetches: nothing to do at the recompute
+
+    def __call__(self, *args, **kwargs):
+        if torch._C._current_graph_task_id() != -1:  # the recompute, inside backward
+            if not self.hooked:
+                self.engine.prefetch_ahead()
+            return self.function(*args, **kwargs)
+        if not isinstance(self.mlp, nn.Module):
+            return self.function(*args, **kwargs)
+        hook = self.mlp.register_forward_hook(self._on_mlp_input)
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            hook.remove()
+
+    def _on_mlp_input(self, module, inputs, output) -> None:
+        first = inputs[0] if inputs else None
+        if isinstance(first, torch.Tensor) and first.requires_grad and not self.hooked:
+            first.register_hook(self._prefetch)
+            self.hooked = True
+
+    def _prefetch(self, grad) -> None:
+        self.engine.prefetch_ahead()
 
 
 def _hidden_states_as_positional(function: Callable, args: tuple):
