@@ -215,10 +215,8 @@ struct OffloadEngine::Impl {
         client(client),
         options(options),
         arena(device->MakeHostBackend(), options.arena),
-        event_pool(device) {
-    EngineLock lock(&mu);
-    prefetch_on_acquire = options.prefetch_on_acquire;
-  }
+        event_pool(device),
+        prefetch_on_acquire(options.prefetch_on_acquire) {}
 
   Device* device;
   Client* client;

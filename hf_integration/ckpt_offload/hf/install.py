@@ -181,8 +181,8 @@ class OffloadHandle:
         # A layer's input brought back ahead of need waits on the device for that layer's
         # backward; fetched as the layer above starts its backward, it adds to that layer's
         # peak (its MLP's backward). So it is fetched once the MLP's backward is done (see
-        # _PrefetchAfterMlp), except under a regional compile, whose compiled layers a hook
-        # added in backward would recompile.
+        # _PrefetchAfterMlp), except under a regional compile, whose compiled layers the
+        # hook put on their MLP around each call would recompile.
         self._defer_prefetch = config.prefetch_depth > 0
         self.engine.set_prefetch_on_acquire(not self._defer_prefetch)
         self._saved_attrs: Dict[nn.Module, Dict[str, Any]] = {}
@@ -613,12 +613,12 @@ class _OffloadingCheckpoint:
         return _deepcopy_reduced(self, memo)
 
     def __call__(self, function: Callable, *args, **kwargs):
-        layer = getattr(getattr(function, "func", function), "__self__", None)
+        layer = _layer_of(function)
         function, args = _hidden_states_as_positional(function, args)
         tensors = [a for a in args
                    if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter)]
         if not tensors:
-            self._warn_untaggable(function)
+            self._warn_untaggable(layer, function)
         kwargs.pop("use_reentrant", None)
         options = {**self.options, **kwargs, "use_reentrant": False}
         profile = self.handle._peak.current
@@ -637,9 +637,8 @@ class _OffloadingCheckpoint:
             profile.layer_forward_ended(tensors)
         return output
 
-    def _warn_untaggable(self, function: Callable) -> None:
-        owner = getattr(getattr(function, "func", function), "__self__", None)
-        name = type(owner).__name__ if owner is not None else getattr(function, "__name__", "?")
+    def _warn_untaggable(self, layer: Optional[nn.Module], function: Callable) -> None:
+        name = type(layer).__name__ if layer is not None else getattr(function, "__name__", "?")
         if name in self.handle._warned_layers:
             return
         self.handle._warned_layers.add(name)
@@ -647,6 +646,11 @@ class _OffloadingCheckpoint:
             f"ckpt_offload.hf: {name} passed no tensor positionally to its checkpoint call and "
             "no `hidden_states=` keyword, so its inputs stay on the device (pass the hidden "
             "states positionally to have them offloaded)", UserWarning, stacklevel=3)
+
+
+def _layer_of(function: Callable) -> Optional[nn.Module]:
+    """The module whose bound call a checkpointed function is (a partial of it), or None."""
+    return getattr(getattr(function, "func", function), "__self__", None)
 
 
 class _PrefetchAfterMlp:
