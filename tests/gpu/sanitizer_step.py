@@ -32,8 +32,8 @@ def main():
     torch.cuda.synchronize()
     same = torch.equal(reference[0], loss.detach()) and all(
         torch.equal(v, grads(model)[k]) for k, v in reference[1].items())
-    # The head's path runs too: the head Linear's input is offloaded, triggered by its weight,
-    # and releases the kept layer.
+    # The head's path runs too: the head Linear's input is offloaded, triggered by the
+    # loss's float32 input, and releases the kept layer.
     print("offloaded step identical:", same, "stats:", {k: e.stats()[k] for k in
           ("offloaded_tensors", "restored_tensors", "kept_resident_tensors",
            "head_offloaded_tensors", "head_restored_tensors")})

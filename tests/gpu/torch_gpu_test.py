@@ -59,7 +59,7 @@ def test_llama_like_bf16_bit_identical(keep_last, prefetch_depth, offload_head):
                     offload_head=offload_head, **CUDA))
     assert_same(reference, got)
     stats = got[2].stats()
-    # The head (its Linear's input, triggered by the weight) releases the kept layers.
+    # The head (its Linear's input, triggered by the loss's input) releases the kept layers.
     kept = 0 if offload_head else keep_last
     assert stats["offloaded_tensors"] == 6 - kept
     assert stats["restored_tensors"] == 6 - kept

@@ -104,7 +104,7 @@ def _raising_backward(error_type):
 
 
 def plain_scenario(fault: str, injected_at: str, *, keep_last: int = 1, prefetch_depth: int = 1,
-                   count: int = 1, host_memory_limit=None,
+                   count: int = 1, host_memory_limit=None, offload_head: bool = True,
                    layer_call: Optional[Callable] = None, two_inputs: bool = False):
     """One faulted step, then a normal one, with the same (fresh) offloader: (Outcome,
     details the matrix does not show).
@@ -119,7 +119,8 @@ def plain_scenario(fault: str, injected_at: str, *, keep_last: int = 1, prefetch
     if two_inputs:
         reference_call, normal_call = two_input_plain, two_input_offload
     reference = reference_step(model, x, reference_call)
-    settings = fresh_host_config(keep_last=keep_last, prefetch_depth=prefetch_depth)
+    settings = fresh_host_config(keep_last=keep_last, prefetch_depth=prefetch_depth,
+                                 offload_head=offload_head)
     if host_memory_limit is not None:
         settings["host_memory_limit"] = host_memory_limit
     call = layer_call or normal_call
@@ -174,7 +175,8 @@ def plain_scenario(fault: str, injected_at: str, *, keep_last: int = 1, prefetch
     result = Outcome(
         fault=_fault_label(fault, count, host_memory_limit, layer_call, two_inputs),
         injected_at=injected_at,
-        config=f"keep_last={keep_last} prefetch={prefetch_depth}",
+        config=f"keep_last={keep_last} prefetch={prefetch_depth}"
+               + ("" if offload_head else " offload_head=False"),
         raised=error_type or "-",
         device_text=device_text,
         cap_fallbacks=stats["cap_fallbacks"],
@@ -262,6 +264,8 @@ SCENARIOS: Dict[str, Callable[[], Outcome]] = {
     "copy_bwd_k1": lambda: plain_scenario("copy", "backward", keep_last=1),
     "copy_bwd_k0_p0": lambda: plain_scenario("copy", "backward", keep_last=0, prefetch_depth=0),
     "copy_bwd_after_ctx": lambda: plain_scenario("copy", "backward after the context"),
+    "copy_bwd_k0_p0_no_head": lambda: plain_scenario("copy", "backward", keep_last=0,
+                                                     prefetch_depth=0, offload_head=False),
     "event_fwd_k0": lambda: plain_scenario("event", "forward", keep_last=0),
     "event_fwd_k1": lambda: plain_scenario("event", "forward", keep_last=1),
     "event_bwd_k1": lambda: plain_scenario("event", "backward", keep_last=1),
@@ -356,12 +360,16 @@ def test_fallback_of_a_group_s_first_input_with_keep_last_0(name):
 @pytest.mark.parametrize("name, where", [
     ("copy_fwd_k0", "offloading a saved tensor"),
     ("copy_fwd_k1", "starting a checkpoint group"),
-    # The head Linear's input is restored by its own Acquire (its trigger, the weight's
-    # transpose, is saved and unpacked by the same node, after it); backward's first event
-    # call is the end of forward's wait.
-    ("copy_bwd_k1", "restoring a saved tensor"),
-    ("copy_bwd_k0_p0", "restoring a saved tensor"),
-    ("copy_bwd_after_ctx", "restoring a saved tensor"),
+    # Backward's first copy restores the head Linear's input ahead, at the unpack of its
+    # trigger, the loss's saved input (the weight's transpose, saved and unpacked by the
+    # Linear's own node, is no trigger); backward's first event call is the end of
+    # forward's wait.
+    ("copy_bwd_k1", "restoring head tensors ahead"),
+    ("copy_bwd_k0_p0", "restoring head tensors ahead"),
+    ("copy_bwd_after_ctx", "restoring head tensors ahead"),
+    # Without the head, the last layer's input is backward's first copy, made when its
+    # recompute asks for it.
+    ("copy_bwd_k0_p0_no_head", "restoring a saved tensor"),
     ("event_fwd_k0", "offloading a saved tensor"),
     ("event_fwd_k1", "starting a checkpoint group"),
     ("event_bwd_k1", "ending the forward"),

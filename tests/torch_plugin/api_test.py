@@ -62,8 +62,8 @@ def test_mlp_stack_gradients_bit_identical_to_plain_checkpointing(keep_last, pre
     stats = got[2].stats()
     # Layer 0's input is a leaf that requires grad: its AccumulateGrad node holds it until
     # backward anyway, so it stays. With the head offloaded (the head Linear's input, whose
-    # trigger is its weight), the kept layers are copied out too: the trigger's restore
-    # prefetches them.
+    # trigger is the loss's float32 input), the kept layers are copied out too: the
+    # trigger's restore prefetches them.
     kept = 0 if offload_head else keep_last
     assert (stats["head_offloaded_tensors"] > 0) == offload_head
     assert stats["head_restored_tensors"] == stats["head_offloaded_tensors"]

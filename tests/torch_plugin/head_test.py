@@ -137,7 +137,8 @@ def test_head_tensors_between_layers_wait_for_no_later_group():
 def test_a_trainable_weights_transpose_is_a_trigger_not_a_head_tensor():
     # A full fine-tune's LM head saves its input and its weight's transpose, a view of a
     # parameter that stays on the device anyway: the input and the norm's input are copied
-    # out, the transpose is not.
+    # out, the transpose is not. The transpose triggers the norm's input, not the input the
+    # same node saved: the log-probabilities trigger that.
     # At 256 tokens the transpose (1024 x 64 bfloat16, 128 KiB) is within the size a head
     # tensor may have (twice a 64 KiB layer input).
     model = LanguageModel()
@@ -149,6 +150,60 @@ def test_a_trainable_weights_transpose_is_a_trigger_not_a_head_tensor():
     assert stats["head_offloaded_tensors"] == 2
     # The norm's float32 input and the LM head's bfloat16 input; no 128 KiB transpose.
     assert stats["head_offloaded_bytes"] == 2 * 256 * HIDDEN * (4 + 2)
+
+
+def _cross_entropy_grad(h, weight, labels):
+    """The loss and its gradient by h, computed by hand as a fused kernel would: no graph."""
+    logits = (h @ weight.t()).float()
+    probs = logits.softmax(-1)
+    loss = -probs.gather(-1, labels.unsqueeze(-1)).log().mean()
+    probs.scatter_add_(-1, labels.unsqueeze(-1), -torch.ones_like(probs[..., :1]))
+    return loss, ((probs / labels.numel()).to(h.dtype) @ weight).to(h.dtype)
+
+
+class SavesWeightLoss(torch.autograd.Function):
+    """A fused loss as Cut Cross-Entropy saves it: the hidden states and the classifier's
+    weight, a parameter, both unpacked by this one node at the start of backward."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels):
+        ctx.save_for_backward(h, weight, labels)
+        return _cross_entropy_grad(h, weight, labels)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, weight, labels = ctx.saved_tensors
+        return _cross_entropy_grad(h, weight, labels)[1] * grad.to(h.dtype), None, None
+
+
+def test_a_tensor_saved_by_a_candidate_s_own_node_does_not_trigger_it():
+    # The norm's input is triggered by the hidden states, which a later node saved; the
+    # hidden states wait for a trigger themselves, and the weight saved with them is none:
+    # restoring them at its unpack would make the loss's node wait for its own input.
+    # Nothing follows, so they stay.
+    model = LanguageModel()
+    results = []
+    for engine_kwargs in (None, dict(keep_last=1, **HOST)):
+        model.zero_grad(set_to_none=True)
+        x, labels = batch()
+        hooks = (ckpt_offload.offload_activations(**engine_kwargs) if engine_kwargs
+                 else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        call = ckpt_offload.checkpoint if engine_kwargs else plain_ckpt
+        with hooks as engine:
+            for layer in model.stack.layers:
+                x = call(layer, x)
+            loss = SavesWeightLoss.apply(model.norm(x), model.lm_head.weight, labels)
+            loss.backward()
+        results.append((loss.detach(), grads(model)))
+    assert torch.equal(results[0][0], results[1][0])
+    for name in results[0][1]:
+        assert torch.equal(results[0][1][name], results[1][1][name]), name
+    stats = engine.stats()
+    assert stats["head_offloaded_tensors"] == stats["head_restored_tensors"] == 1
+    assert stats["head_offloaded_bytes"] == 2 * SEQ * HIDDEN * 4
+    assert stats["head_kept_tensors"] == 1
+    # The norm input's trigger copied the kept layer out too.
+    assert stats["offloaded_tensors"] == 4 and stats["kept_resident_tensors"] == 0
 
 
 class VisionLanguageModel(nn.Module):

@@ -34,19 +34,24 @@ void HeadPolicy::NoteGroupEntry(int64_t bytes) {
 
 void HeadPolicy::OnBackwardBegin() {
   window_open_ = false;
-  for (const auto& weak : waiting_) {
-    if (!weak.expired()) kept_tensors_++;
+  for (const Waiting& waiting : waiting_) {
+    if (!waiting.candidate.expired()) kept_tensors_++;
   }
   waiting_.clear();
 }
 
-std::vector<std::shared_ptr<OffloadedStorage>> HeadPolicy::TakeTriggered() {
+std::vector<std::shared_ptr<OffloadedStorage>> HeadPolicy::TakeTriggeredBy(uint64_t saved_by) {
   TORCH_INTERNAL_ASSERT(window_open_, "ckpt_offload: head trigger outside a head window");
   std::vector<std::shared_ptr<OffloadedStorage>> triggered;
-  for (const auto& weak : waiting_) {
-    if (auto candidate = weak.lock()) triggered.push_back(std::move(candidate));
+  std::vector<Waiting> still_waiting;
+  for (Waiting& waiting : waiting_) {
+    if (waiting.saved_by == saved_by) {
+      still_waiting.push_back(std::move(waiting));
+    } else if (auto candidate = waiting.candidate.lock()) {
+      triggered.push_back(std::move(candidate));
+    }
   }
-  waiting_.clear();
+  waiting_ = std::move(still_waiting);
   return triggered;
 }
 
@@ -59,9 +64,10 @@ bool HeadPolicy::MayBecomeCandidate(const at::Tensor& tensor, int64_t span_bytes
          span_bytes <= 2 * largest_group_entry_bytes_ && IsActivation(tensor);
 }
 
-void HeadPolicy::AddCandidate(const std::shared_ptr<OffloadedStorage>& candidate) {
+void HeadPolicy::AddCandidate(const std::shared_ptr<OffloadedStorage>& candidate,
+                              uint64_t saved_by) {
   TORCH_INTERNAL_ASSERT(window_open_, "ckpt_offload: head candidate outside a head window");
-  waiting_.push_back(candidate);
+  waiting_.push_back(Waiting{candidate, saved_by});
 }
 
 void HeadPolicy::AddTrigger(const void* trigger_key, std::vector<GroupId> groups) {

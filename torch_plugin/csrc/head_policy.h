@@ -17,8 +17,11 @@
 // - Triggers. A candidate is handed to the engine only when a later saved tensor of at least
 //   min_offload_bytes on another storage (its *trigger*) comes in the same window. The
 //   trigger's first unpack in backward restores it ahead of need: backward runs the head in
-//   reverse, so a candidate's own backward comes right after its trigger's. Candidates that
-//   nothing large follows stay where they are (counted as kept when backward begins).
+//   reverse, so a candidate's own backward comes right after its trigger's. A tensor saved
+//   by the node that saved a candidate is no trigger for it: that node unpacks both at
+//   once, so the restore would come when backward already waits for it (a Linear's weight
+//   and input; Cut Cross-Entropy's classifier and hidden states). Candidates that nothing
+//   large follows stay where they are (counted as kept when backward begins).
 //
 // HeadPolicy decides; TensorOffloader acts (engine calls, storage bookkeeping) and reports
 // back through the transitions below.
@@ -69,16 +72,19 @@ class HeadPolicy {
   bool window_open() const { return window_open_; }
 
   // Saving a tensor in the open window.
-  // The live candidates waiting for a trigger; the caller, whose tensor triggers them,
-  // hands each to the engine and reports NoteCandidateOffloaded() for those it took.
+  // Nodes are named by autograd's sequence number at the save (at::sequence_number::peek():
+  // one value for all tensors one node saves, another for the next node's).
+  // The live candidates that a tensor saved now by node `saved_by` triggers: those saved by
+  // earlier nodes. The caller hands each to the engine and reports NoteCandidateOffloaded()
+  // for those it took.
   // REQUIRES: window_open().
-  std::vector<std::shared_ptr<OffloadedStorage>> TakeTriggered();
+  std::vector<std::shared_ptr<OffloadedStorage>> TakeTriggeredBy(uint64_t saved_by);
   void NoteCandidateOffloaded() { window_offloaded_++; }
   // Whether `tensor`, covering `span_bytes` of its storage, may become a candidate, by the
   // window, the budget, its origin and its size (eligibility is the caller's to check).
   bool MayBecomeCandidate(const at::Tensor& tensor, int64_t span_bytes) const;
   // REQUIRES: MayBecomeCandidate(the tensor) was true.
-  void AddCandidate(const std::shared_ptr<OffloadedStorage>& candidate);
+  void AddCandidate(const std::shared_ptr<OffloadedStorage>& candidate, uint64_t saved_by);
 
   // Trigger keys: a saved handle's identity that lives as long as the handle (a kept
   // tensor's TensorImpl, a packed one's OffloadedStorage).
@@ -103,7 +109,11 @@ class HeadPolicy {
   bool window_open_ = false;
   int window_offloaded_ = 0;               // candidates of the open window handed to the engine
   int64_t largest_group_entry_bytes_ = 0;  // in this forward
-  std::vector<std::weak_ptr<OffloadedStorage>> waiting_;  // candidates without a trigger
+  struct Waiting {
+    std::weak_ptr<OffloadedStorage> candidate;
+    uint64_t saved_by;  // the saving node's sequence number
+  };
+  std::vector<Waiting> waiting_;  // candidates without a trigger
   std::unordered_map<const void*, std::vector<GroupId>> triggers_;
   std::atomic<int64_t> trigger_count_{0};  // triggers_.size(), for MayHaveTriggers()
   int64_t kept_tensors_ = 0;

@@ -1,5 +1,6 @@
 #include "torch_plugin/csrc/tensor_offloader.h"
 
+#include <ATen/SequenceNumber.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
 #include <torch/csrc/autograd/function.h>
@@ -460,9 +461,11 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
   {
     MutexLock lock(&engine_mu_);
     if (!head_.window_open()) return nullptr;
-    // This tensor triggers the candidates before it: copy them out now; backward restores
-    // them when it reaches this tensor, right before their own backward.
-    for (const auto& waiting : head_.TakeTriggered()) {
+    // Autograd numbers a node when it makes it, before the node saves its tensors.
+    const uint64_t saved_by = at::sequence_number::peek();
+    // This tensor triggers the candidates earlier nodes saved: copy them out now; backward
+    // restores them when it reaches this tensor, right before their own backward.
+    for (const auto& waiting : head_.TakeTriggeredBy(saved_by)) {
       const GroupId gid = OfferHeadLocked(*waiting);
       if (gid == 0) continue;
       head_.NoteCandidateOffloaded();
@@ -479,7 +482,7 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
         IneligibleReason(tensor).empty()) {
       candidate = OffloadedStorage::HeadCandidate(shared_from_this(), tensor.storage(), begin, end,
                                                   tensor.device());
-      head_.AddCandidate(candidate);
+      head_.AddCandidate(candidate, saved_by);
     }
   }
   if (candidate) {
