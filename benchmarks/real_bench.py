@@ -445,8 +445,9 @@ def fmt(value, spec):
 
 def header(report) -> List[str]:
     m = report["meta"]
+    allocator = f"; PYTORCH_CUDA_ALLOC_CONF={m['alloc_conf']}" if m.get("alloc_conf") else ""
     return [f"GPU {m['gpu']}, torch {m['torch']}, transformers {m['transformers']}, "
-            f"commit {m['commit'][:12]}, {m['date']}; {m.get('packages', '')}", ""]
+            f"commit {m['commit'][:12]}, {m['date']}; {m.get('packages', '')}{allocator}", ""]
 
 
 def packages() -> str:
@@ -463,8 +464,13 @@ def packages() -> str:
     return ", ".join(found)
 
 
+def run_meta() -> Dict:
+    return dict(meta(), packages=packages(), argv=sys.argv[1:],
+                alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
+
+
 def write_report(args, runs, table) -> None:
-    report = dict(meta=dict(meta(), packages=packages(), argv=sys.argv[1:]), runs=runs)
+    report = dict(meta=run_meta(), runs=runs)
     with open(os.path.join(args.out, f"{args.tag}.json"), "w") as f:
         json.dump(report, f, indent=1)
     with open(os.path.join(args.out, f"{args.tag}.md"), "w") as f:
@@ -501,7 +507,7 @@ def main(argv=None) -> int:
     os.makedirs(args.out, exist_ok=True)
     runs = {"matrix": run_matrix, "longest": run_longest, "var": run_var}[args.what](args)
     table = {"matrix": matrix_table, "longest": longest_table, "var": var_table}[args.what]
-    print(table(dict(meta=dict(meta(), packages=packages()), runs=runs)), flush=True)
+    print(table(dict(meta=run_meta(), runs=runs)), flush=True)
     return 0
 
 
