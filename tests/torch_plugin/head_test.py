@@ -176,11 +176,25 @@ class SavesWeightLoss(torch.autograd.Function):
         return _cross_entropy_grad(h, weight, labels)[1] * grad.to(h.dtype), None, None
 
 
-def test_a_tensor_saved_by_a_candidate_s_own_node_does_not_trigger_it():
-    # The norm's input is triggered by the hidden states, which a later node saved; the
-    # hidden states wait for a trigger themselves, and the weight saved with them is none:
-    # restoring them at its unpack would make the loss's node wait for its own input.
-    # Nothing follows, so they stay.
+class SavesGradientLoss(torch.autograd.Function):
+    """A fused loss as Liger's saves it: the gradient of its input, computed in forward
+    outside autograd, which its backward only scales."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels):
+        loss, grad_h = _cross_entropy_grad(h, weight, labels)
+        ctx.save_for_backward(grad_h)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad.to(grad_h.dtype), None, None
+
+
+def fused_loss_stats(fused_loss):
+    """Stats of an offloaded step whose head is the final norm and `fused_loss`, after
+    checking its loss and gradients against the same step without offload."""
     model = LanguageModel()
     results = []
     for engine_kwargs in (None, dict(keep_last=1, **HOST)):
@@ -192,18 +206,35 @@ def test_a_tensor_saved_by_a_candidate_s_own_node_does_not_trigger_it():
         with hooks as engine:
             for layer in model.stack.layers:
                 x = call(layer, x)
-            loss = SavesWeightLoss.apply(model.norm(x), model.lm_head.weight, labels)
+            loss = fused_loss.apply(model.norm(x), model.lm_head.weight, labels)
             loss.backward()
         results.append((loss.detach(), grads(model)))
     assert torch.equal(results[0][0], results[1][0])
     for name in results[0][1]:
         assert torch.equal(results[0][1][name], results[1][1][name]), name
-    stats = engine.stats()
+    return engine.stats()
+
+
+def test_a_tensor_saved_by_a_candidate_s_own_node_does_not_trigger_it():
+    # The norm's input is triggered by the hidden states, which a later node saved; the
+    # hidden states wait for a trigger themselves, and the weight saved with them is none:
+    # restoring them at its unpack would make the loss's node wait for its own input.
+    # Nothing follows, so they stay.
+    stats = fused_loss_stats(SavesWeightLoss)
     assert stats["head_offloaded_tensors"] == stats["head_restored_tensors"] == 1
     assert stats["head_offloaded_bytes"] == 2 * SEQ * HIDDEN * 4
     assert stats["head_kept_tensors"] == 1
     # The norm input's trigger copied the kept layer out too.
     assert stats["offloaded_tensors"] == 4 and stats["kept_resident_tensors"] == 0
+
+
+def test_a_gradient_computed_in_forward_triggers_nothing():
+    # The loss's backward only scales its saved gradient, so the norm's backward would
+    # follow its trigger at once: the norm's input stays, and so does the kept layer.
+    stats = fused_loss_stats(SavesGradientLoss)
+    assert stats["head_offloaded_tensors"] == 0
+    assert stats["head_kept_tensors"] == 1
+    assert stats["offloaded_tensors"] == 3 and stats["kept_resident_tensors"] == 1
 
 
 class VisionLanguageModel(nn.Module):

@@ -40,9 +40,11 @@ void HeadPolicy::OnBackwardBegin() {
   waiting_.clear();
 }
 
-std::vector<std::shared_ptr<OffloadedStorage>> HeadPolicy::TakeTriggeredBy(uint64_t saved_by) {
+std::vector<std::shared_ptr<OffloadedStorage>> HeadPolicy::TakeTriggeredBy(
+    const at::Tensor& trigger, uint64_t saved_by) {
   TORCH_INTERNAL_ASSERT(window_open_, "ckpt_offload: head trigger outside a head window");
   std::vector<std::shared_ptr<OffloadedStorage>> triggered;
+  if (IsMadeOutsideAutograd(trigger)) return triggered;
   std::vector<Waiting> still_waiting;
   for (Waiting& waiting : waiting_) {
     if (waiting.saved_by == saved_by) {
@@ -57,6 +59,10 @@ std::vector<std::shared_ptr<OffloadedStorage>> HeadPolicy::TakeTriggeredBy(uint6
 
 bool HeadPolicy::IsActivation(const at::Tensor& tensor) {
   return !tensor.is_leaf() && !(tensor.is_view() && tensor._base().is_leaf());
+}
+
+bool HeadPolicy::IsMadeOutsideAutograd(const at::Tensor& tensor) {
+  return tensor.is_leaf() && !tensor.requires_grad() && !tensor.is_view();
 }
 
 bool HeadPolicy::MayBecomeCandidate(const at::Tensor& tensor, int64_t span_bytes) const {

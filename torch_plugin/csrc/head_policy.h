@@ -20,8 +20,11 @@
 //   reverse, so a candidate's own backward comes right after its trigger's. A tensor saved
 //   by the node that saved a candidate is no trigger for it: that node unpacks both at
 //   once, so the restore would come when backward already waits for it (a Linear's weight
-//   and input; Cut Cross-Entropy's classifier and hidden states). Candidates that nothing
-//   large follows stay where they are (counted as kept when backward begins).
+//   and input; Cut Cross-Entropy's classifier and hidden states). Nor is a tensor made
+//   outside autograd (a leaf that needs no gradient and is no view): a fused loss's gradient
+//   computed in forward (Liger's), whose backward only scales it and is over before a
+//   restore could finish. Candidates that nothing large follows stay where they are
+//   (counted as kept when backward begins).
 //
 // HeadPolicy decides; TensorOffloader acts (engine calls, storage bookkeeping) and reports
 // back through the transitions below.
@@ -74,11 +77,12 @@ class HeadPolicy {
   // Saving a tensor in the open window.
   // Nodes are named by autograd's sequence number at the save (at::sequence_number::peek():
   // one value for all tensors one node saves, another for the next node's).
-  // The live candidates that a tensor saved now by node `saved_by` triggers: those saved by
-  // earlier nodes. The caller hands each to the engine and reports NoteCandidateOffloaded()
-  // for those it took.
+  // The live candidates that `trigger`, saved now by node `saved_by`, triggers: those saved
+  // by earlier nodes, none when `trigger` was made outside autograd. The caller hands each
+  // to the engine and reports NoteCandidateOffloaded() for those it took.
   // REQUIRES: window_open().
-  std::vector<std::shared_ptr<OffloadedStorage>> TakeTriggeredBy(uint64_t saved_by);
+  std::vector<std::shared_ptr<OffloadedStorage>> TakeTriggeredBy(const at::Tensor& trigger,
+                                                                 uint64_t saved_by);
   void NoteCandidateOffloaded() { window_offloaded_++; }
   // Whether `tensor`, covering `span_bytes` of its storage, may become a candidate, by the
   // window, the budget, its origin and its size (eligibility is the caller's to check).
@@ -104,6 +108,8 @@ class HeadPolicy {
   // trainable weight's transpose (saved by a full fine-tune's LM head) lives on in its
   // parameter, so copying it out would free nothing.
   static bool IsActivation(const at::Tensor& tensor);
+  // Whether `tensor` was made outside autograd: a leaf that needs no gradient, not a view.
+  static bool IsMadeOutsideAutograd(const at::Tensor& tensor);
 
  private:
   bool window_open_ = false;

@@ -465,7 +465,7 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
     const uint64_t saved_by = at::sequence_number::peek();
     // This tensor triggers the candidates earlier nodes saved: copy them out now; backward
     // restores them when it reaches this tensor, right before their own backward.
-    for (const auto& waiting : head_.TakeTriggeredBy(saved_by)) {
+    for (const auto& waiting : head_.TakeTriggeredBy(tensor, saved_by)) {
       const GroupId gid = OfferHeadLocked(*waiting);
       if (gid == 0) continue;
       head_.NoteCandidateOffloaded();
