@@ -35,7 +35,7 @@ from typing import Callable, Dict, List
 import torch
 
 # The same run metadata as the eager benchmark, workloads and peers as real_bench.
-from gpu_bench import meta
+from gpu_bench import fmt, meta, run_line
 from peers import peer_context
 from workloads import SHAPES, base_model, lora_model
 
@@ -168,14 +168,10 @@ def run_config(shape: str, seq: int, names: List[str], rounds: int, warmup: int,
 
 def markdown_table(report: Dict) -> str:
     m = report["meta"]
-    lines = [f"GPU {m['gpu']}, torch {m['torch']}, transformers {m['transformers']}, "
-             f"commit {m['commit'][:12]}, {m['date']}", "",
+    lines = [run_line(m), "",
              "| model | seq | mode | step ms | × compiled ckpt | × eager ckpt | act peak GiB | "
              "graph breaks | offloaded GiB |",
              "|---|---|---|---|---|---|---|---|---|"]
-
-    def fmt(value, spec):
-        return format(value, spec) if isinstance(value, (int, float)) else "—"
 
     for r in report["runs"]:
         if "error" in r:

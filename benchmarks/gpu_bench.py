@@ -390,17 +390,24 @@ def write_report(args, runs) -> Dict:
     return report
 
 
+def run_line(m: Dict) -> str:
+    """A report's first line: where and what ran."""
+    return (f"GPU {m['gpu']}, torch {m['torch']}, transformers {m['transformers']}, "
+            f"commit {m['commit'][:12]}, {m['date']}")
+
+
+def fmt(value, spec) -> str:
+    """A table cell: `value` formatted, or a dash when the run did not measure it."""
+    return format(value, spec) if isinstance(value, (int, float)) else "—"
+
+
 def markdown_table(report) -> str:
     m = report["meta"]
-    lines = [f"GPU {m['gpu']}, torch {m['torch']}, transformers {m['transformers']}, "
-             f"commit {m['commit'][:12]}, {m['date']}", "",
+    lines = [run_line(m), "",
              "| model | seq | mode | step ms | overhead % | act peak GiB | reserved peak GiB | "
              "offloaded frac | head GiB | host reserved GiB | pinned allocs after warm-up | "
              "exposed wait ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
-    def fmt(value, spec):
-        return format(value, spec) if isinstance(value, (int, float)) else "—"
 
     for r in report["runs"]:
         if "error" in r:

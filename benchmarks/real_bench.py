@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from gpu_bench import meta, write_memory_timeline
+from gpu_bench import fmt, meta, run_line, write_memory_timeline
 from peers import PEERS, contexts
 from workloads import LOSSES, SHAPES, base_model, lora_model
 
@@ -443,15 +443,10 @@ def release(modes: List[Mode]) -> None:
     torch.cuda.empty_cache()
 
 
-def fmt(value, spec):
-    return format(value, spec) if isinstance(value, (int, float)) else "—"
-
-
 def header(report) -> List[str]:
     m = report["meta"]
     allocator = f"; PYTORCH_CUDA_ALLOC_CONF={m['alloc_conf']}" if m.get("alloc_conf") else ""
-    return [f"GPU {m['gpu']}, torch {m['torch']}, transformers {m['transformers']}, "
-            f"commit {m['commit'][:12]}, {m['date']}; {m.get('packages', '')}{allocator}", ""]
+    return [f"{run_line(m)}; {m.get('packages', '')}{allocator}", ""]
 
 
 def packages() -> str:
