@@ -63,6 +63,10 @@ class Mode:
         self.losses: List[float] = []
         self.pinned: List[int] = []
         self.host_peaks: List[int] = []  # the host pool's peak live bytes, per step
+        # The caching allocator's calls to the driver per step (cudaMalloc/cudaFree and
+        # their expandable-segment kin, failed mallocs retried after freeing the cache):
+        # each synchronizes, so after warm-up any of them is a cost one mode pays alone.
+        self.driver_calls: List[int] = []
         self.error = ""
 
 
@@ -91,6 +95,7 @@ def step(mode: Mode, ids, history: Optional[str] = None) -> None:
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
+    calls_before = allocator_driver_calls()
     if history:
         torch.cuda.memory._record_memory_history(max_entries=400000)
     start = time.perf_counter()
@@ -110,10 +115,17 @@ def step(mode: Mode, ids, history: Optional[str] = None) -> None:
     mode.totals.append(torch.cuda.max_memory_allocated())
     mode.losses.append(float(loss.detach()))
     mode.model.zero_grad(set_to_none=True)
+    mode.driver_calls.append(allocator_driver_calls() - calls_before)
     if mode.handle is not None:
         stats = mode.handle.stats()
         mode.pinned.append(int(stats.get("pinned_allocations", 0)))
         mode.host_peaks.append(int(stats.get("host_peak_bytes", 0)))
+
+
+def allocator_driver_calls() -> int:
+    stats = torch.cuda.memory_stats()
+    return sum(int(stats.get(key, 0))
+               for key in ("num_device_alloc", "num_device_free", "num_alloc_retries"))
 
 
 def recover(mode: Mode, error: BaseException) -> str:
@@ -194,7 +206,9 @@ def matrix_results(shape, seq, loss, modes: List[Mode], warmup: int) -> List[Dic
         timed = mode.times[warmup:]
         result.update(step_ms=statistics.median(timed), step_ms_all=mode.times,
                       act_peak_gib=max(mode.peaks[warmup:]) / GIB,
-                      act_peak_gib_all=[p / GIB for p in mode.peaks], losses=mode.losses)
+                      act_peak_gib_all=[p / GIB for p in mode.peaks], losses=mode.losses,
+                      driver_calls_per_step=mode.driver_calls,
+                      driver_calls_after_warmup=sum(mode.driver_calls[warmup:]))
         if reference is not None:
             ref = reference.times[warmup:]
             result["overhead_pct"] = 100 * (result["step_ms"] / statistics.median(ref) - 1)
@@ -210,11 +224,12 @@ def matrix_table(report) -> str:
     lines = header(report) + [
         "| model | seq | loss | mode | step ms | overhead % (medians) | paired % | act peak GiB "
         "| losses = ckpt | offloaded GiB | head GiB | pinned allocs after warm-up | exposed "
-        "wait ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "wait ms | allocator driver calls after warm-up |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         if "error" in r:
             lines.append(f"| {r['model']} | {r['seq']} | {r['loss']} | {r['mode']} | "
-                         f"{r['error']} ||||||||")
+                         f"{r['error']} |||||||||")
             continue
         pinned = r.get("pinned_allocations_per_step")
         lines.append("| " + " | ".join([
@@ -223,7 +238,8 @@ def matrix_table(report) -> str:
             fmt(r["act_peak_gib"], ".2f"), str(r.get("losses_equal_ckpt", "—")),
             fmt(r.get("offloaded_gib"), ".2f"), fmt(r.get("head_offloaded_gib"), ".2f"),
             fmt(pinned[-1] - pinned[0] if pinned else None, "d"),
-            fmt(r.get("exposed_wait_ms"), ".1f")]) + " |")
+            fmt(r.get("exposed_wait_ms"), ".1f"),
+            fmt(r.get("driver_calls_after_warmup"), "d")]) + " |")
     return "\n".join(lines) + "\n"
 
 
