@@ -106,6 +106,38 @@ def test_a_head_candidate_that_nothing_large_follows_stays():
     assert stats["kept_resident_tensors"] == 1  # no trigger: the kept layer stays too
 
 
+class Marked(torch.Tensor):
+    """A tensor subclass, as tensor-parallel or quantized activations are: not the
+    offloader's to move, still an activation that a head tensor's restore may wait for."""
+
+
+def test_a_tensor_subclass_activation_triggers_the_head():
+    # The loss saves its input as a Marked tensor, kept where it is; it was made by a later
+    # node than the norm's float32 input, which it triggers. Without a trigger that input
+    # would stay (test_a_head_candidate_that_nothing_large_follows_stays).
+    model = LanguageModel()
+    results = []
+    for engine_kwargs in (None, dict(keep_last=1, **HOST)):
+        model.zero_grad(set_to_none=True)
+        x, _ = batch()
+        hooks = (ckpt_offload.offload_activations(**engine_kwargs) if engine_kwargs
+                 else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        call = ckpt_offload.checkpoint if engine_kwargs else plain_ckpt
+        with hooks as engine:
+            for layer in model.stack.layers:
+                x = call(layer, x)
+            loss = model.norm(x).float().as_subclass(Marked).pow(2).mean()
+            loss.backward()
+        results.append((loss.detach().as_subclass(torch.Tensor), grads(model)))
+    assert torch.equal(results[0][0], results[1][0])
+    for name in results[0][1]:
+        assert torch.equal(results[0][1][name], results[1][1][name]), name
+    stats = engine.stats()
+    assert stats["head_offloaded_tensors"] == stats["head_restored_tensors"] == 1
+    assert stats["head_kept_tensors"] == 0
+    assert stats["offloaded_tensors"] == 4 and stats["kept_resident_tensors"] == 0
+
+
 def test_head_tensors_between_layers_wait_for_no_later_group():
     # A saved tensor between two checkpointed layers is not part of the head: the next
     # layer's group begins before anything triggers it.

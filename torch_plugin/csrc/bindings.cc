@@ -187,7 +187,7 @@ PYBIND11_MODULE(_C, m) {
                                        std::string(Py_TYPE(obj.ptr())->tp_name) +
                                        " returned no tensor");
                 }
-                self.PackForeign(THPVariable_Unpack(held.ptr()));
+                self.PackForeign(tensor, THPVariable_Unpack(held.ptr()));
                 return py::cast(KeptObject{std::move(held), VersionCheck(tensor)});
               }
               SavedTensor saved = self.Pack(THPVariable_Unpack(obj.ptr()));

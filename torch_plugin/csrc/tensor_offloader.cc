@@ -413,15 +413,17 @@ std::shared_ptr<PackedTensor> TensorOffloader::SharedView(const at::Tensor& tens
   return MakePacked(tensor, begin, std::move(holder));
 }
 
-void TensorOffloader::PackForeign(const at::Tensor& held) {
+void TensorOffloader::PackForeign(const at::Tensor& saved, const at::Tensor& held) {
   packed_.fetch_add(1, std::memory_order_relaxed);
   skipped_.fetch_add(1, std::memory_order_relaxed);
   if (config_.scope != Scope::kCheckpointInputs ||
-      torch::autograd::get_current_graph_task_id() != -1 || !HeadRelevant(held)) {
+      torch::autograd::get_current_graph_task_id() != -1 || !HeadRelevant(saved)) {
     return;
   }
+  // Whether it triggers is decided on the saved tensor: `held` may be its detached alias,
+  // which looks made outside autograd.
   std::vector<GroupId> triggered;
-  OfferHeadAndTrigger(held, /*may_offload=*/false, &triggered);
+  OfferHeadAndTrigger(saved, /*may_offload=*/false, &triggered);
   RegisterTrigger(held.unsafeGetTensorImpl(), std::move(triggered));
 }
 

@@ -223,10 +223,11 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   at::Tensor Unpack(const PackedTensor& packed) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   at::Tensor UnpackKept(const KeptTensor& kept) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
 
-  // A tensor the caller keeps without asking Pack (a Python tensor subclass such as
-  // nn.Parameter, held by the caller as `held`); it may still trigger head tensors saved
-  // before it. NoteUnpackForeign(held) is its unpack.
-  void PackForeign(const at::Tensor& held) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  // A tensor the caller keeps without asking Pack (`saved`, a Python tensor subclass such
+  // as nn.Parameter, held by the caller as `held`: itself or its detached alias); it may
+  // still trigger head tensors saved before it. NoteUnpackForeign(held) is its unpack.
+  void PackForeign(const at::Tensor& saved, const at::Tensor& held)
+      ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   void NoteUnpackForeign(const at::Tensor& held) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
 
   // Why `tensor` would not be offloaded, or empty when it would (ignores marking).
