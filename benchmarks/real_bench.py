@@ -12,16 +12,16 @@ sdpa attention, non-reentrant checkpointing, the loss `hf` (the model's own), `l
 model over one shared copy of the base weights, the same LoRA init and the same token ids.
 
 - matrix: modes interleaved one step each per round, so drift hits all alike; the first
-  two rounds are warm-up (the second is ckpt_offload's profiled step). Step time is the median over timed rounds; `paired` is the median of
-  each round's ratio to ckpt's step of that round. Act peak = max allocated during the step
-  minus allocated before it.
+  two rounds are warm-up (the second is ckpt_offload's profiled step). Step time is the
+  median over timed rounds; `paired` is the median of each round's ratio to ckpt's step of
+  that round. Act peak = max allocated during the step minus allocated before it.
 - longest: the longest sequence of the grid (powers of two and their midpoints) that trains
   one step with the process's GPU memory capped (torch.cuda.set_per_process_memory_fraction)
-  at each limit. After two warm-up steps, two short steps per mode measure peak = a + b * seq;
-  the search starts
-  at the longest length the fit allows and steps up until a step runs out of memory; a
-  length whose fitted peak is over the cap by more than the fit's margin is counted as
-  failing without running it (its allocated bytes alone would exceed the cap).
+  at each limit. After two warm-up steps, two short steps per mode measure
+  peak = a + b * seq; the search starts at the longest length the fit allows and steps up
+  until a step runs out of memory; a length whose fitted peak is over the cap by more than
+  the fit's margin is counted as failing without running it (its allocated bytes alone
+  would exceed the cap).
 - var: lengths drawn at random (the first too: the pool meets new longest lengths after
   warm-up), every mode stepping through the same lengths, interleaved step by step;
   ckpt_offload with and without a length hint (reserve_for_tokens).
