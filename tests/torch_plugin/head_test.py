@@ -106,6 +106,30 @@ def test_a_head_candidate_that_nothing_large_follows_stays():
     assert stats["kept_resident_tensors"] == 1  # no trigger: the kept layer stays too
 
 
+def head_step_stats(head):
+    """Stats of an offloaded step of LanguageModel's layers followed by
+    `head(model, hidden_states, labels) -> loss`, after checking its loss and gradients
+    against the same step without offload."""
+    model = LanguageModel()
+    results = []
+    for engine_kwargs in (None, dict(keep_last=1, **HOST)):
+        model.zero_grad(set_to_none=True)
+        x, labels = batch()
+        hooks = (ckpt_offload.offload_activations(**engine_kwargs) if engine_kwargs
+                 else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
+        call = ckpt_offload.checkpoint if engine_kwargs else plain_ckpt
+        with hooks as engine:
+            for layer in model.stack.layers:
+                x = call(layer, x)
+            loss = head(model, x, labels)
+            loss.backward()
+        results.append((loss.detach().as_subclass(torch.Tensor), grads(model)))
+    assert torch.equal(results[0][0], results[1][0])
+    for name in results[0][1]:
+        assert torch.equal(results[0][1][name], results[1][1][name]), name
+    return engine.stats()
+
+
 class Marked(torch.Tensor):
     """A tensor subclass, as tensor-parallel or quantized activations are: not the
     offloader's to move, still an activation that a head tensor's restore may wait for."""
@@ -115,24 +139,8 @@ def test_a_tensor_subclass_activation_triggers_the_head():
     # The loss saves its input as a Marked tensor, kept where it is; it was made by a later
     # node than the norm's float32 input, which it triggers. Without a trigger that input
     # would stay (test_a_head_candidate_that_nothing_large_follows_stays).
-    model = LanguageModel()
-    results = []
-    for engine_kwargs in (None, dict(keep_last=1, **HOST)):
-        model.zero_grad(set_to_none=True)
-        x, _ = batch()
-        hooks = (ckpt_offload.offload_activations(**engine_kwargs) if engine_kwargs
-                 else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
-        call = ckpt_offload.checkpoint if engine_kwargs else plain_ckpt
-        with hooks as engine:
-            for layer in model.stack.layers:
-                x = call(layer, x)
-            loss = model.norm(x).float().as_subclass(Marked).pow(2).mean()
-            loss.backward()
-        results.append((loss.detach().as_subclass(torch.Tensor), grads(model)))
-    assert torch.equal(results[0][0], results[1][0])
-    for name in results[0][1]:
-        assert torch.equal(results[0][1][name], results[1][1][name]), name
-    stats = engine.stats()
+    stats = head_step_stats(
+        lambda model, h, labels: model.norm(h).float().as_subclass(Marked).pow(2).mean())
     assert stats["head_offloaded_tensors"] == stats["head_restored_tensors"] == 1
     assert stats["head_kept_tensors"] == 0
     assert stats["offloaded_tensors"] == 4 and stats["kept_resident_tensors"] == 0
@@ -224,35 +232,13 @@ class SavesGradientLoss(torch.autograd.Function):
         return grad_h * grad.to(grad_h.dtype), None, None
 
 
-def fused_loss_stats(fused_loss):
-    """Stats of an offloaded step whose head is the final norm and `fused_loss`, after
-    checking its loss and gradients against the same step without offload."""
-    model = LanguageModel()
-    results = []
-    for engine_kwargs in (None, dict(keep_last=1, **HOST)):
-        model.zero_grad(set_to_none=True)
-        x, labels = batch()
-        hooks = (ckpt_offload.offload_activations(**engine_kwargs) if engine_kwargs
-                 else torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t))
-        call = ckpt_offload.checkpoint if engine_kwargs else plain_ckpt
-        with hooks as engine:
-            for layer in model.stack.layers:
-                x = call(layer, x)
-            loss = fused_loss.apply(model.norm(x), model.lm_head.weight, labels)
-            loss.backward()
-        results.append((loss.detach(), grads(model)))
-    assert torch.equal(results[0][0], results[1][0])
-    for name in results[0][1]:
-        assert torch.equal(results[0][1][name], results[1][1][name]), name
-    return engine.stats()
-
-
 def test_a_tensor_saved_by_a_candidate_s_own_node_does_not_trigger_it():
     # The norm's input is triggered by the hidden states, which a later node saved; the
     # hidden states wait for a trigger themselves, and the weight saved with them is none:
     # restoring them at its unpack would make the loss's node wait for its own input.
     # Nothing follows, so they stay.
-    stats = fused_loss_stats(SavesWeightLoss)
+    stats = head_step_stats(lambda model, h, labels: SavesWeightLoss.apply(
+        model.norm(h), model.lm_head.weight, labels))
     assert stats["head_offloaded_tensors"] == stats["head_restored_tensors"] == 1
     assert stats["head_offloaded_bytes"] == 2 * SEQ * HIDDEN * 4
     assert stats["head_kept_tensors"] == 1
@@ -263,7 +249,8 @@ def test_a_tensor_saved_by_a_candidate_s_own_node_does_not_trigger_it():
 def test_a_gradient_computed_in_forward_triggers_nothing():
     # The loss's backward only scales its saved gradient, so the norm's backward would
     # follow its trigger at once: the norm's input stays, and so does the kept layer.
-    stats = fused_loss_stats(SavesGradientLoss)
+    stats = head_step_stats(lambda model, h, labels: SavesGradientLoss.apply(
+        model.norm(h), model.lm_head.weight, labels))
     assert stats["head_offloaded_tensors"] == 0
     assert stats["head_kept_tensors"] == 1
     assert stats["offloaded_tensors"] == 3 and stats["kept_resident_tensors"] == 1
