@@ -495,29 +495,15 @@ struct OffloadEngine::Impl {
   }
 
   // prefetch_depth 0 asks for memory first: wait for the forward's last copies so their
-  // sources leave the device before backward allocates. Only copies that hand a source back
-  // are waited for: a group restored before the drain (reclaimed) frees nothing by its copy.
+  // sources leave the device before backward allocates.
   absl::Status DrainForwardCopies() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
     for (GroupId gid : d2h_inflight) {
       auto it = groups.find(gid);
-      if (it == groups.end() || !it->second.d2h_done) continue;
-      bool frees = false;
-      for (EntryId id : it->second.entries) {
-        frees = frees || engine_internal::ReleasedByCopyDone(entries.at(id).state);
+      if (it != groups.end() && it->second.d2h_done) {
+        CKPT_RETURN_IF_ERROR(device->SynchronizeEvent(it->second.d2h_done->handle()));
       }
-      if (frees) CKPT_RETURN_IF_ERROR(device->SynchronizeEvent(it->second.d2h_done->handle()));
     }
     return Poll();
-  }
-
-  // Restores `gid` (if it waits for a restore) and the prefetch_depth groups below it.
-  absl::Status RestoreAhead(GroupId gid, StreamHandle compute) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) {
-    auto it = groups.find(gid);
-    if (it == groups.end()) return absl::OkStatus();
-    if (WaitsForRestore(it->second)) {
-      CKPT_RETURN_IF_ERROR(IssueRestore(gid, compute, /*prefetch=*/true));
-    }
-    return Prefetch(gid, compute);
   }
 
   // Issues H2D for the entries of `gid` that need it, or for `only` (a retained graph's
@@ -821,7 +807,12 @@ absl::Status OffloadEngine::PrefetchGroup(GroupId gid, StreamHandle compute) {
   Impl& s = *impl_;
   EngineLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
-  return s.RestoreAhead(gid, compute);
+  auto it = s.groups.find(gid);
+  if (it == s.groups.end()) return absl::OkStatus();
+  if (s.WaitsForRestore(it->second)) {
+    CKPT_RETURN_IF_ERROR(s.IssueRestore(gid, compute, /*prefetch=*/true));
+  }
+  return s.Prefetch(gid, compute);
 }
 
 absl::Status OffloadEngine::PrefetchBelowAcquired(StreamHandle compute) {
@@ -846,17 +837,12 @@ absl::Status OffloadEngine::OffloadPendingGroups(StreamHandle compute) {
   return s.OffloadPendingBeyond(0, compute);
 }
 
-absl::Status OffloadEngine::EndForward() { return EndForward({}, StreamHandle{}); }
-
-absl::Status OffloadEngine::EndForward(const std::vector<GroupId>& restore_first,
-                                       StreamHandle compute) {
+absl::Status OffloadEngine::EndForward() {
   Impl& s = *impl_;
   EngineLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
   if (s.in_backward) return absl::OkStatus();
   s.EnterBackward();
-  // Before the drain: what these restores reclaim is not waited for.
-  for (GroupId gid : restore_first) CKPT_RETURN_IF_ERROR(s.RestoreAhead(gid, compute));
   return s.DrainForwardCopies();
 }
 

@@ -25,9 +25,7 @@
 // - EndForward() does at once what the first Acquire would do, and drains the forward's
 //   D2H copies for every P: a caller that sees backward begin (its first saved-tensor use,
 //   usually the loss's, where a language model's activation peak is) calls it, so that the
-//   sources are off the device before that peak allocates. Groups the caller restores
-//   first (EndForward(restore_first, ...)) are not waited for: still copying, they are
-//   reclaimed instead.
+//   sources are off the device before that peak allocates.
 // - An *eager* group (BeginEagerGroup) stands outside the keep_last window: each entry is
 //   copied out as it is offered, and PrefetchGroup(g) restores it ahead of its Acquire
 //   when the caller knows its backward is near. For tensors saved after the checkpointed
@@ -99,7 +97,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -210,11 +207,6 @@ class OffloadEngine {
   // call after a forward does anything; the first Acquire of a backward implies it, without
   // the wait unless prefetch_depth is 0.
   absl::Status EndForward();
-  // The same, for a backward whose first steps need `restore_first` (eager groups whose
-  // trigger the forward saved last): each is restored as PrefetchGroup would, before the
-  // wait. An entry whose copy out is still running is then reclaimed (its source stays,
-  // no H2D) and not waited for: a copy out that backward undoes at once frees nothing.
-  absl::Status EndForward(const std::vector<GroupId>& restore_first, StreamHandle compute);
 
   struct Offer {
     EntryId entry;

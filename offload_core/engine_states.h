@@ -114,12 +114,6 @@ constexpr bool HoldsSource(EntryState state) {
          state == EntryState::kDiscardedCopying || state == EntryState::kResident ||
          state == EntryState::kReclaimed || state == EntryState::kDiscardedReclaimed;
 }
-// The caller's source is handed back once the entry's D2H completes: waiting for that copy
-// frees device memory (a reclaimed entry's source stays, whatever its copy does).
-constexpr bool ReleasedByCopyDone(EntryState state) {
-  return state == EntryState::kOffloading || state == EntryState::kDiscardedCopying ||
-         state == EntryState::kDiscardedReclaimed;
-}
 constexpr bool IsDiscarded(EntryState state) {
   return state == EntryState::kDiscardedCopying || state == EntryState::kDiscardedReclaimed;
 }

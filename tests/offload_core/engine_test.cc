@@ -1291,58 +1291,6 @@ TEST_F(EngineTest, SetPrefetchOnAcquireTurnsTheAcquirePrefetchBackOn) {
   ExpectNear(harness.sim().blocked_us(harness.compute()), 0, "compute blocked");
 }
 
-TEST_F(EngineTest, EndForwardReclaimsWhatItRestoresFirstInsteadOfWaiting) {
-  // keep_last 1, prefetch 1, 4 layers (C = 10 us, forward 20 us each): a head of 2C whose
-  // trigger is the forward's last save, so the caller also copies the kept layer out
-  // (OffloadPendingGroups). The head's copy runs 80-100 us, layer 3's 100-110 us; the host
-  // is at 70 us then (the in-flight bound waited for layer 2's copy). EndForward({head})
-  // reclaims the head and, by its prefetch, layer 3: still copying, they stay on the device
-  // with no H2D, and the host waits for nothing. Plain EndForward waits for every copy.
-  // Once the copies are done, the same call restores both instead.
-  const size_t kB = kTenMicrosecondBytes;
-  const int kLayers = 4;
-  struct Case {
-    bool restore_first;
-    bool copies_done;
-    double returns_at_us;
-  };
-  for (const Case& c : {Case{true, false, 70}, Case{false, false, 110}, Case{true, true, 110}}) {
-    SCOPED_TRACE(absl::StrCat("restore_first=", c.restore_first, " copies_done=",
-                              c.copies_done));
-    EngineHarness harness(Options(1, 1));
-    const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 5);
-    harness.engine().ResetStats();
-    const double t0 = harness.sim().host_time_us();
-    HeadStep head_step;
-    HeadForward(harness, plan, 2 * kB, 0, &head_step);
-    ASSERT_TRUE(harness.engine().OffloadPendingGroups(harness.compute()).ok());
-    if (c.copies_done) {
-      ASSERT_TRUE(harness.sim().SynchronizeAll().ok());
-    }
-    const std::vector<GroupId> first = {head_step.head_group};
-    ASSERT_TRUE((c.restore_first ? harness.engine().EndForward(first, harness.compute())
-                                 : harness.engine().EndForward())
-                    .ok());
-    ExpectNear(harness.sim().host_time_us() - t0, c.returns_at_us, "EndForward returned at");
-    const bool reclaims = c.restore_first && !c.copies_done;
-    const EngineStats stats = harness.engine().stats();
-    EXPECT_EQ(stats.offloaded_tensors, kLayers);
-    EXPECT_EQ(stats.eager_offloaded_tensors, 1);
-    EXPECT_EQ(stats.reclaimed_tensors, reclaims ? 1 : 0);
-    EXPECT_EQ(stats.eager_restored_tensors, c.restore_first && c.copies_done ? 1 : 0);
-    EXPECT_EQ(stats.restored_tensors, c.restore_first && c.copies_done ? 1 : 0);
-    EXPECT_EQ(harness.client().Released(head_step.head.entry), !reclaims);
-    // The head's backward first, then the layers': a reclaimed entry is the caller's own
-    // source, checked as such.
-    head_step.layers.push_back({head_step.head});
-    ASSERT_TRUE(harness.Backward(&head_step.layers, plan.backward_us).ok());
-    harness.DrainAndCheck();
-    harness.ExpectQuiescent();
-    EXPECT_EQ(harness.engine().stats().restored_tensors, reclaims ? kLayers - 1 : kLayers);
-    EXPECT_EQ(harness.engine().stats().eager_restored_tensors, reclaims ? 0 : 1);
-  }
-}
-
 TEST_F(EngineTest, PrefetchGroupOfAnUnknownOrRestoredGroupDoesNothing) {
   const size_t kB = kTenMicrosecondBytes;
   EngineHarness harness(Options(1, 1));

@@ -12,7 +12,6 @@ void HeadPolicy::StartForward() {
   window_offloaded_ = 0;
   largest_group_entry_bytes_ = 0;
   waiting_.clear();
-  last_saved_by_.reset();
   triggers_.clear();
   trigger_count_.store(0, std::memory_order_release);
 }
@@ -22,7 +21,6 @@ void HeadPolicy::OnGroupBegin() {
   // for a trigger stay where they are.
   window_open_ = false;
   waiting_.clear();
-  last_saved_by_.reset();
 }
 
 void HeadPolicy::OnGroupEnd() {
@@ -36,7 +34,6 @@ void HeadPolicy::NoteGroupEntry(int64_t bytes) {
 
 void HeadPolicy::OnBackwardBegin() {
   window_open_ = false;
-  last_saved_by_.reset();
   for (const Waiting& waiting : waiting_) {
     if (!waiting.candidate.expired()) kept_tensors_++;
   }
@@ -46,7 +43,6 @@ void HeadPolicy::OnBackwardBegin() {
 std::vector<std::shared_ptr<OffloadedStorage>> HeadPolicy::TakeTriggeredBy(
     const at::Tensor& trigger, uint64_t saved_by) {
   TORCH_INTERNAL_ASSERT(window_open_, "ckpt_offload: head trigger outside a head window");
-  last_saved_by_ = saved_by;
   std::vector<std::shared_ptr<OffloadedStorage>> triggered;
   if (IsMadeOutsideAutograd(trigger)) return triggered;
   std::vector<Waiting> still_waiting;
@@ -80,35 +76,18 @@ void HeadPolicy::AddCandidate(const std::shared_ptr<OffloadedStorage>& candidate
   waiting_.push_back(Waiting{candidate, saved_by});
 }
 
-void HeadPolicy::AddTrigger(const void* trigger_key, std::vector<GroupId> groups,
-                            uint64_t saved_by) {
+void HeadPolicy::AddTrigger(const void* trigger_key, std::vector<GroupId> groups) {
   if (groups.empty()) return;
-  Trigger& registered = triggers_[trigger_key];
-  registered.groups.insert(registered.groups.end(), groups.begin(), groups.end());
-  registered.saved_by = saved_by;
+  auto& registered = triggers_[trigger_key];
+  registered.insert(registered.end(), groups.begin(), groups.end());
   trigger_count_.store(static_cast<int64_t>(triggers_.size()), std::memory_order_release);
 }
 
 std::vector<GroupId> HeadPolicy::TakeTrigger(const void* trigger_key) {
   auto it = triggers_.find(trigger_key);
   if (it == triggers_.end()) return {};
-  std::vector<GroupId> groups = std::move(it->second.groups);
+  std::vector<GroupId> groups = std::move(it->second);
   triggers_.erase(it);
-  trigger_count_.store(static_cast<int64_t>(triggers_.size()), std::memory_order_release);
-  return groups;
-}
-
-std::vector<GroupId> HeadPolicy::TakeFirstRestores() {
-  std::vector<GroupId> groups;
-  if (!window_open_ || !last_saved_by_) return groups;
-  for (auto it = triggers_.begin(); it != triggers_.end();) {
-    if (it->second.saved_by == *last_saved_by_) {
-      groups.insert(groups.end(), it->second.groups.begin(), it->second.groups.end());
-      it = triggers_.erase(it);
-    } else {
-      ++it;
-    }
-  }
   trigger_count_.store(static_cast<int64_t>(triggers_.size()), std::memory_order_release);
   return groups;
 }

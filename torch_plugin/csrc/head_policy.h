@@ -25,11 +25,6 @@
 //   computed in forward (Liger's), whose backward only scales it and is over before a
 //   restore could finish. Candidates that nothing large follows stay where they are
 //   (counted as kept when backward begins).
-// - First restores. A trigger saved by the window's last saving node is unpacked as
-//   backward begins (that node's backward runs first): what it triggered comes back at
-//   once, so backward's start restores it (TakeFirstRestores) without waiting for its copy
-//   out, which then has freed nothing (Cut Cross-Entropy's hidden states, saved last,
-//   trigger the final norm's input).
 //
 // HeadPolicy decides; TensorOffloader acts (engine calls, storage bookkeeping) and reports
 // back through the transitions below.
@@ -44,7 +39,6 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
-#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -85,9 +79,7 @@ class HeadPolicy {
   // one value for all tensors one node saves, another for the next node's).
   // The live candidates that `trigger`, saved now by node `saved_by`, triggers: those saved
   // by earlier nodes, none when `trigger` was made outside autograd. The caller hands each
-  // to the engine and reports NoteCandidateOffloaded() for those it took. Every tensor
-  // saved in the window that may be a candidate or a trigger passes here, so the last call
-  // names the window's last saving node (small tensors' nodes aside).
+  // to the engine and reports NoteCandidateOffloaded() for those it took.
   // REQUIRES: window_open().
   std::vector<std::shared_ptr<OffloadedStorage>> TakeTriggeredBy(const at::Tensor& trigger,
                                                                  uint64_t saved_by);
@@ -100,15 +92,10 @@ class HeadPolicy {
 
   // Trigger keys: a saved handle's identity that lives as long as the handle (a kept
   // tensor's TensorImpl, a packed one's OffloadedStorage).
-  // Records that the first unpack of `trigger_key`, saved by node `saved_by`, restores
-  // `groups` (eager engine groups).
-  void AddTrigger(const void* trigger_key, std::vector<GroupId> groups, uint64_t saved_by);
+  // Records that the first unpack of `trigger_key` restores `groups` (eager engine groups).
+  void AddTrigger(const void* trigger_key, std::vector<GroupId> groups);
   // The groups to restore at `trigger_key`'s unpack, once: empty for any other key.
   std::vector<GroupId> TakeTrigger(const void* trigger_key);
-  // Backward begins: the groups of the triggers that the open window's last saving node
-  // saved, once (their keys then restore nothing). Empty when no window is open.
-  // REQUIRES: called before OnBackwardBegin().
-  std::vector<GroupId> TakeFirstRestores();
   // A snapshot that may be read without the offloader's lock: false means no trigger was
   // registered when it was taken, so an unpack can skip taking the lock.
   bool MayHaveTriggers() const { return trigger_count_.load(std::memory_order_acquire) > 0; }
@@ -133,12 +120,7 @@ class HeadPolicy {
     uint64_t saved_by;  // the saving node's sequence number
   };
   std::vector<Waiting> waiting_;  // candidates without a trigger
-  std::optional<uint64_t> last_saved_by_;  // the open window's last saving node
-  struct Trigger {
-    std::vector<GroupId> groups;
-    uint64_t saved_by;
-  };
-  std::unordered_map<const void*, Trigger> triggers_;
+  std::unordered_map<const void*, std::vector<GroupId>> triggers_;
   std::atomic<int64_t> trigger_count_{0};  // triggers_.size(), for MayHaveTriggers()
   int64_t kept_tensors_ = 0;
 };

@@ -422,7 +422,7 @@ void TensorOffloader::PackForeign(const at::Tensor& saved, const at::Tensor& hel
   }
   // Whether it triggers is decided on the saved tensor: `held` may be its detached alias,
   // which looks made outside autograd.
-  Triggered triggered;
+  std::vector<GroupId> triggered;
   OfferHeadAndTrigger(saved, /*may_offload=*/false, &triggered);
   RegisterTrigger(held.unsafeGetTensorImpl(), std::move(triggered));
 }
@@ -444,7 +444,7 @@ SavedTensor TensorOffloader::PackUngrouped(const at::Tensor& tensor) {
   const auto [begin, end] = StorageSpan(tensor);
   // A view of a candidate's storage is part of it, not its trigger.
   if (auto shared = SharedView(tensor, begin, end)) return {std::move(shared), nullptr};
-  Triggered triggered;
+  std::vector<GroupId> triggered;
   std::shared_ptr<OffloadedStorage> candidate =
       OfferHeadAndTrigger(tensor, /*may_offload=*/true, &triggered);
   if (candidate) {
@@ -458,23 +458,22 @@ SavedTensor TensorOffloader::PackUngrouped(const at::Tensor& tensor) {
 }
 
 std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
-    const at::Tensor& tensor, bool may_offload, Triggered* triggered) {
+    const at::Tensor& tensor, bool may_offload, std::vector<GroupId>* triggered) {
   std::shared_ptr<OffloadedStorage> candidate;
   {
     MutexLock lock(&engine_mu_);
     if (!head_.window_open()) return nullptr;
     // Autograd numbers a node when it makes it, before the node saves its tensors.
     const uint64_t saved_by = at::sequence_number::peek();
-    triggered->saved_by = saved_by;
     // This tensor triggers the candidates earlier nodes saved: copy them out now; backward
     // restores them when it reaches this tensor, right before their own backward.
     for (const auto& waiting : head_.TakeTriggeredBy(tensor, saved_by)) {
       const GroupId gid = OfferHeadLocked(*waiting);
       if (gid == 0) continue;
       head_.NoteCandidateOffloaded();
-      triggered->groups.push_back(gid);
+      triggered->push_back(gid);
     }
-    if (!triggered->groups.empty()) {
+    if (!triggered->empty()) {
       // The trigger's backward will restore the head and, by prefetch, the groups below it:
       // the last keep_last groups need not stay on the device through the head's backward.
       absl::Status started = engine_->OffloadPendingGroups(ComputeStream(engine_device_));
@@ -495,10 +494,10 @@ std::shared_ptr<OffloadedStorage> TensorOffloader::OfferHeadAndTrigger(
   return candidate;
 }
 
-void TensorOffloader::RegisterTrigger(const void* trigger_key, Triggered triggered) {
-  if (triggered.groups.empty()) return;
+void TensorOffloader::RegisterTrigger(const void* trigger_key, std::vector<GroupId> groups) {
+  if (groups.empty()) return;
   MutexLock lock(&engine_mu_);
-  head_.AddTrigger(trigger_key, std::move(triggered.groups), triggered.saved_by);
+  head_.AddTrigger(trigger_key, std::move(groups));
 }
 
 GroupId TensorOffloader::OfferHeadLocked(OffloadedStorage& candidate) {
@@ -539,12 +538,9 @@ void TensorOffloader::StartForwardLocked() { head_.StartForward(); }
 void TensorOffloader::NoteUnpack(const void* trigger_key) {
   if (forward_open_.load(std::memory_order_acquire) && forward_open_.exchange(false)) {
     MutexLock lock(&engine_mu_);
-    // What the forward's last saving node triggered is needed as backward begins: restored
-    // before the drain, its copies out still running are reclaimed, not waited for.
-    const std::vector<GroupId> first = head_.TakeFirstRestores();
     head_.OnBackwardBegin();
     if (engine_) {
-      absl::Status ended = engine_->EndForward(first, ComputeStream(engine_device_));
+      absl::Status ended = engine_->EndForward();
       if (!ended.ok()) ThrowStatus("ending the forward", ended);
     }
   }

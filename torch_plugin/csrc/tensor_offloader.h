@@ -296,22 +296,16 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   bool HeadRelevant(const at::Tensor& tensor) const;  // may be a candidate or trigger
   SavedTensor PackUngrouped(const at::Tensor& tensor) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   SavedTensor Keep(const at::Tensor& tensor);
-  // The head groups a saved tensor triggers, and the node that saved it.
-  struct Triggered {
-    std::vector<GroupId> groups;
-    uint64_t saved_by = 0;
-  };
-  // Fills `triggered` with the head groups `tensor` triggers (RegisterTrigger files them
-  // under its key); returns the candidate `tensor` became, or null.
+  // Registers the head groups `tensor` triggers (if any) under `trigger_key`; returns
+  // the candidate `tensor` became, or null.
   std::shared_ptr<OffloadedStorage> OfferHeadAndTrigger(const at::Tensor& tensor, bool may_offload,
-                                                        Triggered* triggered)
+                                                        std::vector<GroupId>* triggered)
       ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
-  void RegisterTrigger(const void* trigger_key, Triggered triggered)
+  void RegisterTrigger(const void* trigger_key, std::vector<GroupId> groups)
       ABSL_LOCKS_EXCLUDED(engine_mu_);
   GroupId OfferHeadLocked(OffloadedStorage& candidate) ABSL_EXCLUSIVE_LOCKS_REQUIRED(engine_mu_);
   void StartForwardLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(engine_mu_);
-  // Backward began (first unpack after a forward): EndForward, restoring first the groups
-  // of the triggers saved last. Then a trigger's groups.
+  // Backward began (first unpack after a forward): EndForward. Then a trigger's groups.
   void NoteUnpack(const void* trigger_key) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   // HeadPolicy::MayHaveTriggers, which reads an atomic: safe without engine_mu_.
   bool MayHaveHeadTriggers() const ABSL_NO_THREAD_SAFETY_ANALYSIS {
