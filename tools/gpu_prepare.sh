@@ -7,7 +7,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash tools/gpu_deps.sh
 source scripts/env.sh
-targets=(//tests/gpu:cuda_device_test //tests/torch_plugin:session_test)
+targets=(//tests/gpu:cuda_device_test //tests/torch_plugin:session_test //benchmarks:pin_cuda_bench)
 bazel build -c opt "${targets[@]}"
 rm -rf .gpu_bin && mkdir -p .gpu_bin
 for t in "${targets[@]}"; do

@@ -32,7 +32,7 @@ part pip_install python3 -m pip install --no-build-isolation --no-deps -v .
 TORCH_LIB=$(python3 -c 'import os, torch; print(os.path.dirname(torch.__file__) + "/lib")')
 CUDART_LIB=$(python3 -c 'import os, nvidia.cu13 as m; print(os.path.dirname(m.__file__) + "/lib")' 2>/dev/null || true)
 export LD_LIBRARY_PATH="$ROOT/.gpu_deps/absl/lib:$TORCH_LIB:${CUDART_LIB}:${LD_LIBRARY_PATH:-}"
-for binary in .gpu_bin/*; do
+for binary in .gpu_bin/*_test; do
   part "gtest_$(basename "$binary")" "$binary"
 done
 cd "$ROOT/tests"  # import the installed package, not the source tree
