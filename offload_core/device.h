@@ -77,9 +77,12 @@ inline constexpr int kNumaNodeNone = -1;  // no placement: the kernel's default 
 // has no CUDA support or no GPU is visible, InvalidArgument for a numa_node below -2.
 // Defined in cuda_device.cc.
 struct CudaDeviceOptions {
-  // Pinned host memory: cudaHostAlloc, or mmap + cudaHostRegister.
+  // Pinned host memory: cudaHostAlloc, or mmap + cudaHostRegister. Registering is the
+  // default: its slabs are populated by several threads and may use huge pages
+  // (numa.h's MapHostMemory), so a step that grows the pool waits less (measured with
+  // benchmarks/pin_cuda_bench.cc); copies run at the same speed.
   enum class PinMode { kHostAlloc, kHostRegister };
-  PinMode pin_mode = PinMode::kHostAlloc;
+  PinMode pin_mode = PinMode::kHostRegister;
   // NUMA node the pinned slabs are allocated on (MPOL_PREFERRED): kNumaNodeAuto,
   // kNumaNodeNone or a node id >= 0. Best effort: when the kernel refuses placement the
   // slabs are allocated unplaced and numa_placement() says why (see numa.h).

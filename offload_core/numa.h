@@ -61,8 +61,10 @@ struct Placement {
 // An anonymous private read-write mapping of `bytes` rounded up to the page size, every page
 // resident on return. With `node` set, the range is mbind()-ed to it (MPOL_PREFERRED)
 // before any page is touched, so the pages are allocated there. `placement` (optional)
-// receives the outcome. ResourceExhausted when the mapping or populating it fails (nothing
-// stays mapped then). Release with UnmapHostMemory(ptr, bytes) with the same `bytes`.
+// receives the outcome. A mapping of 2 MiB or more starts on a 2 MiB boundary and is
+// advised for transparent huge pages; large ones are populated by several threads.
+// ResourceExhausted when the mapping or populating it fails (nothing stays mapped then).
+// Release with UnmapHostMemory(ptr, bytes) with the same `bytes`.
 absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node,
                                     Placement* placement = nullptr);
 void UnmapHostMemory(void* ptr, size_t bytes);

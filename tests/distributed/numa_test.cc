@@ -225,6 +225,43 @@ TEST(MapHostMemoryTest, UnplacedMappingIsResidentAndUsable) {
   UnmapHostMemory(*ptr, bytes);
 }
 
+// Virtual memory of this process in KiB (VmSize), to see that no mapping is left behind.
+size_t VmSizeKib() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmSize:", 0) == 0) return std::stoul(line.substr(7));
+  }
+  ADD_FAILURE() << "no VmSize in /proc/self/status";
+  return 0;
+}
+
+// Large mappings are populated by several threads from a 2 MiB-aligned start (so that the
+// kernel may back them with huge pages); every page is still resident, and unmapping
+// leaves nothing of the alignment slack behind.
+TEST(MapHostMemoryTest, LargeMappingIsAlignedResidentAndLeavesNothingMapped) {
+  constexpr size_t kHuge = size_t{2} << 20;
+  const size_t page = sysconf(_SC_PAGESIZE);
+  for (size_t bytes : {kHuge + page, (size_t{200} << 20) + 3 * page}) {
+    // A first round lets the C library cache the fault threads' stacks, which would
+    // otherwise show up as mapped memory in the comparison.
+    for (int round = 0; round < 2; ++round) {
+      const size_t vm_before = VmSizeKib();
+      absl::StatusOr<void*> ptr = MapHostMemory(bytes, std::nullopt);
+      ASSERT_TRUE(ptr.ok()) << ptr.status();
+      EXPECT_EQ(reinterpret_cast<uintptr_t>(*ptr) % kHuge, 0u) << bytes;
+      std::vector<unsigned char> resident((bytes + page - 1) / page);
+      ASSERT_EQ(mincore(*ptr, bytes, resident.data()), 0) << std::strerror(errno);
+      for (size_t i = 0; i < resident.size(); ++i) ASSERT_TRUE(resident[i] & 1) << "page " << i;
+      ExpectUsable(*ptr, bytes);
+      UnmapHostMemory(*ptr, bytes);
+      if (round == 1) {
+        EXPECT_EQ(VmSizeKib(), vm_before) << bytes;
+      }
+    }
+  }
+}
+
 TEST(MapHostMemoryTest, PlacesOnEachOnlineNodeOrFallsBackWithAReason) {
   const size_t bytes = size_t{8} << 20;
   for (int node : OnlineNodes()) {
