@@ -62,6 +62,7 @@ class Mode:
         self.totals: List[int] = []
         self.losses: List[float] = []
         self.pinned: List[int] = []
+        self.pinned_seconds: List[float] = []  # time spent making pinned slabs, so far
         self.host_peaks: List[int] = []  # the host pool's peak live bytes, per step
         # The caching allocator's calls to the driver per step (cudaMalloc/cudaFree and
         # their expandable-segment kin, failed mallocs retried after freeing the cache):
@@ -119,6 +120,7 @@ def step(mode: Mode, ids, history: Optional[str] = None) -> None:
     if mode.handle is not None:
         stats = mode.handle.stats()
         mode.pinned.append(int(stats.get("pinned_allocations", 0)))
+        mode.pinned_seconds.append(round(float(stats.get("pinned_allocation_seconds", 0)), 3))
         mode.host_peaks.append(int(stats.get("host_peak_bytes", 0)))
 
 
@@ -145,7 +147,8 @@ def handle_figures(mode: Mode) -> Dict:
                    exposed_wait_ms=stats.get("exposed_wait_ms", 0),
                    host_reserved_gib=stats.get("host_reserved_bytes", 0) / GIB,
                    host_peak_gib=max(mode.host_peaks, default=0) / GIB,  # the run's
-                   pinned_allocations_per_step=mode.pinned)
+                   pinned_allocations_per_step=mode.pinned,
+                   pinned_seconds_per_step=mode.pinned_seconds)
     breakdown = getattr(mode.handle, "peak_breakdown", None)
     if callable(breakdown):
         figures["peak_breakdown"] = breakdown()
@@ -295,6 +298,8 @@ def probe(mode: Mode, shape: str, seq: int, fit: list, steps: Optional[list]) ->
         step(mode, token_ids(shape, seq, seed=seq))
         ok, record = True, dict(seq=seq, ok=True, ms=mode.times[-1],
                                 peak_gib=mode.totals[-1] / GIB)
+        if mode.pinned_seconds:
+            record["pinned_s"] = mode.pinned_seconds[-1]
         fit.append((seq, mode.totals[-1]))
     except Exception as error:  # noqa: BLE001 - out of memory, or a peer's own failure
         ok, record = False, dict(seq=seq, ok=False, error=recover(mode, error))
@@ -389,7 +394,9 @@ def run_var(args) -> List[Dict]:
         ids = token_ids(shape, seq, seed=seq)
         for mode in modes:
             step(mode, ids)
-            print(f"var step {index} seq {seq} {mode.name}: {mode.times[-1]:.1f} ms", flush=True)
+            pinned = f", pinned {mode.pinned_seconds[-1]:.3f} s" if mode.pinned_seconds else ""
+            print(f"var step {index} seq {seq} {mode.name}: {mode.times[-1]:.1f} ms{pinned}",
+                  flush=True)
     ckpt = modes[0]
     runs = []
     for mode in modes:
