@@ -7,17 +7,19 @@
 //   numa_node is -1 (common in VMs and on single-socket boards) has no preference.
 // - Slabs for cudaHostRegister are mapped without MAP_POPULATE: populating first would
 //   place every page by the default policy before mbind could say where they belong. The
-//   pages are faulted in after mbind with MADV_POPULATE_WRITE (Linux 5.14+; a failure is
-//   an error the caller sees, not the OOM killer) or, on older kernels, by writing one
-//   byte per page.
-// - Mapping speed is what a step that grows the pool waits for. Measured on an H200 host
-//   (benchmarks/pin_bench.py): cudaHostAlloc and a one-thread MADV_POPULATE_WRITE of
-//   4 KiB pages take 0.25-0.37 s per GiB, and populating with more threads does not help.
-//   With transparent huge pages (MADV_HUGEPAGE on a 2 MiB-aligned range) one fault zeroes
-//   2 MiB, and writes from several threads fault in parallel. So the range is aligned,
-//   advised and populated by up to kMaxFaultThreads threads, a share each. Huge pages are
-//   a hint: where the kernel gives none (THP off, no contiguous memory) the same calls
-//   fault 4 KiB pages.
+//   pages are faulted in after mbind, by writes.
+// - Mapping speed is what a step that grows the pool waits for. Measured on H200 hosts
+//   (benchmarks/pin_bench.py): cudaHostAlloc takes 0.3-0.6 s per GiB, and so does a
+//   MADV_POPULATE_WRITE of 4 KiB pages, from one thread or eight (it does not scale).
+//   Writes from eight threads do scale, and with transparent huge pages (MADV_HUGEPAGE on
+//   a 2 MiB-aligned range) one fault zeroes 2 MiB: 0.06-0.07 s per GiB, registering
+//   included. So the range is aligned, advised, and written by up to kMaxFaultThreads
+//   threads, a share each. Huge pages are a hint: where the kernel gives none (THP off,
+//   no contiguous memory) the same writes fault 4 KiB pages (0.13-0.2 s per GiB).
+// - A write fault that finds no memory wakes the OOM killer rather than failing, so the
+//   mapping is refused up front when it exceeds what is available: MemAvailable, lowered
+//   by the headroom of the process's cgroup v2 group and its ancestors (containers),
+//   where page cache other than shmem counts as free, as it does in MemAvailable.
 // - MPOL_PREFERRED rather than MPOL_BIND: a full node spills to its neighbours instead of
 //   failing the allocation (or waking the OOM killer), so placement never costs memory
 //   the pool could otherwise have had.
@@ -140,57 +142,69 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 constexpr unsigned kMaxFaultThreads = 8;
 constexpr size_t kMinBytesPerFaultThread = size_t{64} << 20;
 
-#ifndef MADV_POPULATE_WRITE
-#define MADV_POPULATE_WRITE 23  // Linux 5.14; older headers lack it, older kernels say EINVAL
-#endif
-
-// Faults in every page of [ptr, ptr + bytes) for writing, under the range's policy: 0, or
-// the errno of a failed populate (ENOMEM when the memory is not there).
-int Populate(char* ptr, size_t bytes) {
-  if (madvise(ptr, bytes, MADV_POPULATE_WRITE) == 0) return 0;
-  const int err = errno;
-  if (err != EINVAL) return err;
-  // A kernel before 5.14: a write to each page faults it in the same way.
+// Writes one byte per page of [ptr, ptr + bytes), which faults each page in under the
+// range's policy.
+void TouchPages(char* ptr, size_t bytes) {
   volatile char* bytes_ptr = ptr;
   const size_t page = PageSize();
   for (size_t offset = 0; offset < bytes; offset += page) bytes_ptr[offset] = 0;
-  return 0;
 }
 
-// Populate over [ptr, ptr + bytes), split over threads (see the design note). A thread
+// TouchPages over [ptr, ptr + bytes), split over threads (see the design note). A thread
 // that cannot be started leaves its share and the rest to the calling thread.
-absl::Status FaultIn(char* ptr, size_t bytes) {
+void FaultIn(char* ptr, size_t bytes) {
   const size_t hardware = std::max(1u, std::thread::hardware_concurrency());
   const size_t threads = std::clamp<size_t>(bytes / kMinBytesPerFaultThread, 1,
                                             std::min<size_t>(kMaxFaultThreads, hardware));
   // Shares are whole huge pages, so no two threads fault the same one.
   const size_t share = (bytes / threads + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
-  std::vector<int> errors(threads, 0);
   std::vector<std::thread> workers;
   size_t inline_from = bytes;
-  for (size_t i = 1; i * share < bytes; ++i) {
-    const size_t start = i * share;
+  for (size_t start = share; start < bytes; start += share) {
     try {
-      workers.emplace_back([&errors, i, ptr, start, length = std::min(share, bytes - start)] {
-        errors[i] = Populate(ptr + start, length);
-      });
+      workers.emplace_back(TouchPages, ptr + start, std::min(share, bytes - start));
     } catch (const std::system_error&) {
       inline_from = start;
       break;
     }
   }
-  errors[0] = Populate(ptr, std::min(share, bytes));
-  if (inline_from < bytes && errors[0] == 0) {
-    errors[0] = Populate(ptr + inline_from, bytes - inline_from);
-  }
+  TouchPages(ptr, std::min(share, bytes));
+  if (inline_from < bytes) TouchPages(ptr + inline_from, bytes - inline_from);
   for (std::thread& worker : workers) worker.join();
-  for (int err : errors) {
-    if (err != 0) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "madvise(MADV_POPULATE_WRITE, ", bytes, " bytes) failed: ", ErrnoText(err)));
-    }
+}
+
+// The value in bytes of meminfo's `key` line ("MemAvailable:   123456 kB").
+std::optional<size_t> MeminfoBytes(absl::string_view meminfo, absl::string_view key) {
+  for (absl::string_view line : absl::StrSplit(meminfo, '\n')) {
+    if (!absl::ConsumePrefix(&line, key) || !absl::ConsumePrefix(&line, ":")) continue;
+    line = absl::StripAsciiWhitespace(line);
+    const bool kib = absl::ConsumeSuffix(&line, "kB");
+    size_t value = 0;
+    if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &value)) return std::nullopt;
+    return kib ? value * 1024 : value;
   }
-  return absl::OkStatus();
+  return std::nullopt;
+}
+
+// The value of memory.stat's `key` line ("file 123456"), in bytes.
+std::optional<size_t> MemoryStatBytes(absl::string_view stat, absl::string_view key) {
+  for (absl::string_view line : absl::StrSplit(stat, '\n')) {
+    if (!absl::ConsumePrefix(&line, key) || !absl::ConsumePrefix(&line, " ")) continue;
+    size_t value = 0;
+    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &value)) return value;
+    return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+// A cgroup v2 file holding one number, or "max" (nullopt: no limit, or unreadable).
+std::optional<size_t> CgroupNumber(const std::string& path) {
+  absl::StatusOr<std::string> text = ReadSmallFile(path);
+  size_t value = 0;
+  if (!text.ok() || !absl::SimpleAtoi(absl::StripAsciiWhitespace(*text), &value)) {
+    return std::nullopt;
+  }
+  return value;
 }
 
 // mmap of `mapped` bytes whose start is 2 MiB-aligned when `mapped` is at least that, so
@@ -296,6 +310,13 @@ NumaChoice ChooseNumaNode(absl::string_view pci_bus_id, absl::string_view sysfs_
 absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node, Placement* placement) {
   Placement outcome;
   const size_t mapped = RoundUpToPage(bytes == 0 ? 1 : bytes);
+  // Faulting in what is not there would wake the OOM killer instead of failing this call.
+  if (absl::StatusOr<size_t> available = AvailableHostBytes();
+      available.ok() && mapped > *available) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host memory: ", mapped, " bytes asked, ", *available,
+                     " available (MemAvailable, and this process's cgroup headroom)"));
+  }
   void* ptr = MapAligned(mapped);
   if (ptr == MAP_FAILED) {
     const int err = errno;
@@ -319,12 +340,48 @@ absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node, Place
   }
   // A hint (EINVAL without THP support): the faults below fall back to 4 KiB pages.
   (void)madvise(ptr, mapped, MADV_HUGEPAGE);
-  if (absl::Status populated = FaultIn(static_cast<char*>(ptr), mapped); !populated.ok()) {
-    munmap(ptr, mapped);
-    return populated;
-  }
+  FaultIn(static_cast<char*>(ptr), mapped);
   if (placement != nullptr) *placement = std::move(outcome);
   return ptr;
+}
+
+absl::StatusOr<size_t> AvailableHostBytes(absl::string_view proc_root,
+                                          absl::string_view cgroup_root) {
+  const std::string meminfo_path = absl::StrCat(proc_root, "/meminfo");
+  absl::StatusOr<std::string> meminfo = ReadSmallFile(meminfo_path);
+  if (!meminfo.ok()) return meminfo.status();
+  std::optional<size_t> available = MeminfoBytes(*meminfo, "MemAvailable");
+  if (!available.has_value()) {
+    return absl::NotFoundError(absl::StrCat("no MemAvailable line in ", meminfo_path));
+  }
+  // cgroup v2: the line "0::/path" names this process's group; it and every ancestor may
+  // set memory.max.
+  absl::StatusOr<std::string> membership = ReadSmallFile(absl::StrCat(proc_root, "/self/cgroup"));
+  if (!membership.ok()) return *available;
+  for (absl::string_view line : absl::StrSplit(*membership, '\n')) {
+    if (!absl::ConsumePrefix(&line, "0::")) continue;
+    std::string group(absl::StripAsciiWhitespace(line));
+    while (true) {
+      const std::string dir = absl::StrCat(cgroup_root, group);
+      const std::optional<size_t> limit = CgroupNumber(dir + "/memory.max");
+      std::optional<size_t> used = CgroupNumber(dir + "/memory.current");
+      if (limit.has_value() && used.has_value()) {
+        // Page cache counts as used but is reclaimed under the limit (shmem is not).
+        absl::StatusOr<std::string> stat = ReadSmallFile(dir + "/memory.stat");
+        if (stat.ok()) {
+          const size_t file = MemoryStatBytes(*stat, "file").value_or(0);
+          const size_t shmem = MemoryStatBytes(*stat, "shmem").value_or(0);
+          const size_t reclaimable = file > shmem ? file - shmem : 0;
+          *used -= std::min(*used, reclaimable);
+        }
+        *available = std::min(*available, *limit > *used ? *limit - *used : 0);
+      }
+      if (group.empty() || group == "/") break;
+      const size_t slash = group.find_last_of('/');
+      group = slash == 0 || slash == std::string::npos ? "/" : group.substr(0, slash);
+    }
+  }
+  return *available;
 }
 
 void UnmapHostMemory(void* ptr, size_t bytes) {

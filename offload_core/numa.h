@@ -62,12 +62,21 @@ struct Placement {
 // resident on return. With `node` set, the range is mbind()-ed to it (MPOL_PREFERRED)
 // before any page is touched, so the pages are allocated there. `placement` (optional)
 // receives the outcome. A mapping of 2 MiB or more starts on a 2 MiB boundary and is
-// advised for transparent huge pages; large ones are populated by several threads.
-// ResourceExhausted when the mapping or populating it fails (nothing stays mapped then).
-// Release with UnmapHostMemory(ptr, bytes) with the same `bytes`.
+// advised for transparent huge pages; large ones are faulted in by several threads.
+// ResourceExhausted when the mapping fails or asks for more than AvailableHostBytes()
+// (nothing stays mapped then). Release with UnmapHostMemory(ptr, bytes), same `bytes`.
 absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node,
                                     Placement* placement = nullptr);
 void UnmapHostMemory(void* ptr, size_t bytes);
+
+// Host memory this process can still fault in: `proc_root`/meminfo's MemAvailable, lowered
+// to the headroom of this process's cgroup v2 group and each of its ancestors under
+// `cgroup_root` (from `proc_root`/self/cgroup's "0::" line): memory.max minus
+// memory.current, plus the group's reclaimable page cache (memory.stat's file - shmem).
+// Groups without a limit, or unreadable, lower nothing. NotFound when meminfo is
+// unreadable or has no MemAvailable line.
+absl::StatusOr<size_t> AvailableHostBytes(absl::string_view proc_root = "/proc",
+                                          absl::string_view cgroup_root = "/sys/fs/cgroup");
 
 // Sets the calling thread's memory policy to MPOL_PREFERRED `node` for the scope's
 // lifetime and restores the previous policy (mode, flags and nodes) at its end. Memory the

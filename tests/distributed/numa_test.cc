@@ -303,10 +303,72 @@ TEST(MapHostMemoryTest, RefusedPlacementFallsBackToUsableMemory) {
   UnmapHostMemory(*ptr, bytes);
 }
 
-TEST(MapHostMemoryTest, ImpossibleSizeIsResourceExhausted) {
-  absl::StatusOr<void*> ptr = MapHostMemory(size_t{1} << 62, 0);
-  EXPECT_EQ(ptr.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_THAT(std::string(ptr.status().message()), HasSubstr("mmap("));
+// A request above what the machine has is refused before anything is mapped or faulted in
+// (faulting it in would wake the OOM killer instead of failing).
+TEST(MapHostMemoryTest, MoreThanAvailableIsRefusedUpFront) {
+  absl::StatusOr<size_t> available = AvailableHostBytes();
+  ASSERT_TRUE(available.ok()) << available.status();
+  for (size_t bytes : {*available + (size_t{1} << 30), size_t{1} << 62}) {
+    const size_t vm_before = VmSizeKib();
+    absl::StatusOr<void*> ptr = MapHostMemory(bytes, 0);
+    EXPECT_EQ(ptr.status().code(), absl::StatusCode::kResourceExhausted) << bytes;
+    EXPECT_THAT(std::string(ptr.status().message()), HasSubstr(" available ")) << bytes;
+    EXPECT_EQ(VmSizeKib(), vm_before) << bytes;
+  }
+}
+
+constexpr char kMeminfo[] =
+    "MemTotal:       24000000 kB\nMemFree:         1000000 kB\n"
+    "MemAvailable:   20000000 kB\nBuffers:          1000 kB\n";
+constexpr size_t kMemAvailableBytes = size_t{20000000} * 1024;
+
+TEST(AvailableHostBytesTest, MemAvailableWithoutCgroupLimits) {
+  FakeSysfs proc;
+  proc.Write("meminfo", kMeminfo);
+  EXPECT_EQ(AvailableHostBytes(proc.root(), proc.root()).value(), kMemAvailableBytes);
+  // cgroup v1 only (no "0::" line), or the root group, or groups without a limit.
+  FakeSysfs cgroup;
+  for (const char* membership : {"1:memory:/job\n", "0::/\n", "0::/a/b\n"}) {
+    proc.Write("self/cgroup", membership);
+    cgroup.Write("a/b/memory.max", "max\n");
+    cgroup.Write("a/b/memory.current", "123\n");
+    EXPECT_EQ(AvailableHostBytes(proc.root(), cgroup.root()).value(), kMemAvailableBytes)
+        << membership;
+  }
+}
+
+TEST(AvailableHostBytesTest, TheTightestGroupOnThePathLowersIt) {
+  FakeSysfs proc, cgroup;
+  proc.Write("meminfo", kMeminfo);
+  proc.Write("self/cgroup", "0::/pod/container\n");
+  cgroup.Write("pod/container/memory.max", "max\n");
+  cgroup.Write("pod/container/memory.current", "1000\n");
+  cgroup.Write("pod/memory.max", "8589934592\n");      // 8 GiB for the pod
+  cgroup.Write("pod/memory.current", "6442450944\n");  // 6 GiB of it used
+  EXPECT_EQ(AvailableHostBytes(proc.root(), cgroup.root()).value(), size_t{2} << 30);
+  // Its page cache is reclaimable, shmem is not.
+  cgroup.Write("pod/memory.stat", "anon 1000\nfile 1073741824\nkernel 10\nshmem 536870912\n");
+  EXPECT_EQ(AvailableHostBytes(proc.root(), cgroup.root()).value(),
+            (size_t{2} << 30) + (size_t{512} << 20));
+  // A group over its limit (reclaim pending) has no headroom at all.
+  cgroup.Write("pod/container/memory.max", "4096\n");
+  cgroup.Write("pod/container/memory.current", "8192\n");
+  EXPECT_EQ(AvailableHostBytes(proc.root(), cgroup.root()).value(), 0u);
+  // The namespace root of a container ("0::/") can carry the limit itself.
+  proc.Write("self/cgroup", "0::/\n");
+  cgroup.Write("memory.max", "1048576\n");
+  cgroup.Write("memory.current", "0\n");
+  EXPECT_EQ(AvailableHostBytes(proc.root(), cgroup.root()).value(), size_t{1} << 20);
+}
+
+TEST(AvailableHostBytesTest, NoMemAvailableIsNotFound) {
+  FakeSysfs proc;
+  EXPECT_EQ(AvailableHostBytes(proc.root(), proc.root()).status().code(),
+            absl::StatusCode::kNotFound);
+  proc.Write("meminfo", "MemTotal:       24000000 kB\n");
+  absl::StatusOr<size_t> available = AvailableHostBytes(proc.root(), proc.root());
+  EXPECT_EQ(available.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(available.status().message()), HasSubstr("MemAvailable"));
 }
 
 // The calling thread's policy mode and the first word of its node mask.
