@@ -11,6 +11,7 @@ their wheels to the GPU machine).
     python -m pytest -s tests/gpu/fused_loss_gpu_test.py
 """
 
+import gc
 import types
 
 import pytest
@@ -75,6 +76,9 @@ def run(loss: str, offload: bool):
     losses, grads, peaks, leftovers, offloaded = [], [], [], [], []
     for _ in range(STEPS):
         ids = torch.randint(0, VOCAB, (1, SEQ), generator=generator).cuda()
+        # Garbage in reference cycles (an earlier run's model) would otherwise be freed by
+        # whichever step the collector runs in, and read as that step's leftovers.
+        gc.collect()
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
@@ -94,6 +98,7 @@ def run(loss: str, offload: bool):
     if handle is not None:
         handle.disable()
     del model
+    gc.collect()
     torch.cuda.empty_cache()
     return dict(losses=losses, grads=grads, peaks=peaks, leftovers=leftovers,
                 offloaded=offloaded)
