@@ -39,8 +39,8 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
-#include <cstring>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -62,7 +62,6 @@ namespace {
 constexpr size_t kBitsPerWord = sizeof(unsigned long) * CHAR_BIT;
 constexpr int kMaxNode = 1023;  // the kernel's largest MAX_NUMNODES is 1024
 constexpr size_t kMaxSysfsFileBytes = 4096;
-
 
 std::string ErrnoText(int err) { return std::strerror(err); }
 
@@ -220,7 +219,9 @@ void* MapAligned(size_t mapped) {
   const uintptr_t aligned = (start + kHugePageBytes - 1) / kHugePageBytes * kHugePageBytes;
   if (aligned > start) munmap(raw, aligned - start);
   const uintptr_t end = start + padded;
-  if (end > aligned + mapped) munmap(reinterpret_cast<void*>(aligned + mapped), end - aligned - mapped);
+  if (end > aligned + mapped) {
+    munmap(reinterpret_cast<void*>(aligned + mapped), end - aligned - mapped);
+  }
   return reinterpret_cast<void*>(aligned);
 }
 
