@@ -246,3 +246,21 @@ def test_language_model_head_bf16_bit_identical_and_restored_ahead():
     assert log["before_norm_backward"]["head_restored_tensors"] == 1
     print("head step stats:", {k: stats[k] for k in (
         "offloaded_tensors", "head_offloaded_bytes", "prefetched_tensors", "exposed_wait_ms")})
+
+
+def test_doctor_reports_the_engines_own_pinning_and_the_copies():
+    """The doctor's pinning figure is the engine's pool growing (its own slabs), next to
+    torch's; its copy rates and the CUDA round trip are there too."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    result = subprocess.run([sys.executable, "-m", "ckpt_offload.doctor", "--json"],
+                            capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["ok"] is True and report["round_trip_cuda"] is True
+    for key in ("pinned_alloc_gbps", "torch_pinned_alloc_gbps", "d2h_gbps", "h2d_gbps"):
+        assert isinstance(report[key], float) and report[key] > 0, (key, report.get(key))
+    print(f"doctor: engine pinning {report['pinned_alloc_gbps']} GB/s, torch's "
+          f"{report['torch_pinned_alloc_gbps']} GB/s, advice {report['advice']}")
