@@ -6,6 +6,7 @@ after every step, and the host pool stops growing after the first full-length st
     CKPT_SOAK_STEPS=200 python -m pytest -s tests/gpu/soak_gpu_test.py
 """
 
+import gc
 import os
 import sys
 
@@ -45,6 +46,9 @@ def test_soak_losses_identical_and_memory_flat():
     without any offload they already part at step 0 on the H200
     (tests/gpu/determinism_check.py), while one model run twice agrees, as in
     torch_gpu_test.py."""
+    # Garbage of earlier tests in this process (models in reference cycles) would otherwise
+    # sit in the baseline until the collector frees it at some later step.
+    gc.collect()
     torch.manual_seed(0)
     model = make_llama_stack(layers=8, hidden=1024, heads=16, ffn=4096,
                              dtype=torch.bfloat16).cuda()
