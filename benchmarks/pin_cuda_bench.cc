@@ -4,6 +4,9 @@
 //
 //   pin_cuda_bench [GIB...]     (default: 1 4), 3 rounds, the modes interleaved per round
 //
+// It links abseil and the CUDA runtime dynamically: on the GPU machine, LD_LIBRARY_PATH as
+// tests/gpu/run_gpu_suite.sh sets it (.gpu_deps/absl/lib, torch's lib, nvidia/cu13/lib).
+//
 // Prints one JSON line per slab: mode, GiB, seconds, seconds per GiB.
 #include <chrono>
 #include <cstdio>
