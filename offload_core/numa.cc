@@ -9,7 +9,7 @@
 //   place every page by the default policy before mbind could say where they belong. The
 //   pages are faulted in after mbind, by writes.
 // - Mapping speed is what a step that grows the pool waits for. Measured on H200 hosts
-//   (benchmarks/pin_bench.py): cudaHostAlloc takes 0.3-0.6 s per GiB, and so does a
+//   (benchmarks/pin_bench.py): cudaHostAlloc takes 0.3-0.7 s per GiB, and so does a
 //   MADV_POPULATE_WRITE of 4 KiB pages, from one thread or eight (it does not scale).
 //   Writes from eight threads do scale, and with transparent huge pages (MADV_HUGEPAGE on
 //   a 2 MiB-aligned range) one fault zeroes 2 MiB: 0.06-0.07 s per GiB, registering
@@ -341,6 +341,15 @@ absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node, Place
   }
   // A hint (EINVAL without THP support): the faults below fall back to 4 KiB pages.
   (void)madvise(ptr, mapped, MADV_HUGEPAGE);
+  // Not inherited by a fork (DataLoader workers): a forked child would otherwise get a
+  // copy of every pinned page at fork time (the kernel copies pages pinned for DMA
+  // eagerly), the whole pool per worker.
+  if (madvise(ptr, mapped, MADV_DONTFORK) != 0) {
+    const int err = errno;
+    munmap(ptr, mapped);
+    return absl::InternalError(
+        absl::StrCat("madvise(MADV_DONTFORK, ", mapped, " bytes) failed: ", ErrnoText(err)));
+  }
   FaultIn(static_cast<char*>(ptr), mapped);
   if (placement != nullptr) *placement = std::move(outcome);
   return ptr;

@@ -62,7 +62,8 @@ struct Placement {
 // resident on return. With `node` set, the range is mbind()-ed to it (MPOL_PREFERRED)
 // before any page is touched, so the pages are allocated there. `placement` (optional)
 // receives the outcome. A mapping of 2 MiB or more starts on a 2 MiB boundary and is
-// advised for transparent huge pages; large ones are faulted in by several threads.
+// advised for transparent huge pages; large ones are faulted in by several threads. A
+// forked child does not inherit the mapping (MADV_DONTFORK).
 // ResourceExhausted when the mapping fails or asks for more than AvailableHostBytes()
 // (nothing stays mapped then). Release with UnmapHostMemory(ptr, bytes), same `bytes`.
 absl::StatusOr<void*> MapHostMemory(size_t bytes, std::optional<int> node,

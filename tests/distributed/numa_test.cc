@@ -4,6 +4,7 @@
 
 #include <numaif.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdint>
@@ -300,6 +301,27 @@ TEST(MapHostMemoryTest, RefusedPlacementFallsBackToUsableMemory) {
   ASSERT_TRUE(ptr.ok()) << ptr.status();
   EXPECT_FALSE(placement.placed);
   EXPECT_EQ(placement.reason, "node -3 is out of range");
+  UnmapHostMemory(*ptr, bytes);
+}
+
+// A forked child (a DataLoader worker) does not inherit the mapping: were it inherited,
+// the kernel would copy every page pinned for DMA into the child at fork time.
+TEST(MapHostMemoryTest, ForkedChildDoesNotInheritTheMapping) {
+  const size_t bytes = size_t{4} << 20;
+  absl::StatusOr<void*> ptr = MapHostMemory(bytes, std::nullopt);
+  ASSERT_TRUE(ptr.ok()) << ptr.status();
+  const pid_t child = fork();
+  ASSERT_GE(child, 0) << std::strerror(errno);
+  if (child == 0) {
+    unsigned char resident = 0;
+    // mincore fails with ENOMEM on an address range that is not mapped.
+    _exit(mincore(*ptr, sysconf(_SC_PAGESIZE), &resident) == -1 && errno == ENOMEM ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child) << std::strerror(errno);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child has the mapping";
+  ExpectUsable(*ptr, bytes);  // the parent still has it
   UnmapHostMemory(*ptr, bytes);
 }
 
