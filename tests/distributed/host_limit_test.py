@@ -8,12 +8,14 @@ from ckpt_offload import config
 
 RAM = 64 << 30
 GIB = 1 << 30
+READ_CGROUP_LIMIT = config.cgroup_memory_limit  # the reader itself; the fixture replaces it
 
 
 @pytest.fixture(autouse=True)
 def fixed_ram(monkeypatch):
-    """A 64 GiB machine, whatever this one has."""
+    """A 64 GiB machine outside any memory cgroup, whatever this one is."""
     monkeypatch.setattr(config, "total_host_memory_bytes", lambda: RAM)
+    monkeypatch.setattr(config, "cgroup_memory_limit", lambda: None)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
 
 
@@ -26,6 +28,30 @@ def test_default_is_half_of_ram_split_across_local_ranks(monkeypatch, local_rank
     assert config.local_world_size() == int(local_ranks or 1)
     assert ckpt_offload.parse_host_memory_limit(None) == expected
     assert ckpt_offload.OffloadConfig().host_memory_limit_bytes() == expected
+
+
+@pytest.mark.parametrize("cgroup_limit, expected", [(16 * GIB, 16 * GIB // 2 // 2),
+                                                     (128 * GIB, RAM // 2 // 2)])
+def test_default_takes_half_of_a_lower_cgroup_limit(monkeypatch, cgroup_limit, expected):
+    """In a container the pool's pinned pages count against the cgroup's limit, not RAM."""
+    monkeypatch.setattr(config, "cgroup_memory_limit", lambda: cgroup_limit)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert ckpt_offload.parse_host_memory_limit(None) == expected
+    assert ckpt_offload.parse_host_memory_limit(0.5) == RAM // 2  # a fraction stays of RAM
+
+
+def test_cgroup_memory_limit_reads_v2_then_v1(tmp_path):
+    root = tmp_path / "cgroup"
+    (root / "memory").mkdir(parents=True)
+    assert READ_CGROUP_LIMIT(str(root)) is None  # neither file
+    (root / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")
+    assert READ_CGROUP_LIMIT(str(root)) is None  # v1's "no limit"
+    (root / "memory" / "memory.limit_in_bytes").write_text("8589934592\n")
+    assert READ_CGROUP_LIMIT(str(root)) == 8 * GIB
+    (root / "memory.max").write_text("max\n")  # v2 without a limit: v1's file decides
+    assert READ_CGROUP_LIMIT(str(root)) == 8 * GIB
+    (root / "memory.max").write_text("4294967296\n")
+    assert READ_CGROUP_LIMIT(str(root)) == 4 * GIB
 
 
 @pytest.mark.parametrize("bad", ["", "two", "0", "-4", "2.5"])

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ckpt_offload.config import total_host_memory_bytes
+from ckpt_offload.config import total_host_memory_bytes, usable_host_memory_bytes
 
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "dist_worker.py"
@@ -121,7 +121,7 @@ def assert_split_host_limit(rank):
     """torchrun's LOCAL_WORLD_SIZE split the default host limit between the two ranks."""
     assert rank["local_world_size"] == NPROC
     assert rank["ram_bytes"] == total_host_memory_bytes()
-    assert rank["host_limit_bytes"] == total_host_memory_bytes() // 2 // NPROC
+    assert rank["host_limit_bytes"] == usable_host_memory_bytes() // 2 // NPROC
 
 
 def test_ddp_trainer_with_offload_callback_matches_plain_run(tmp_path):

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from ckpt_offload.config import total_host_memory_bytes
+from ckpt_offload.config import total_host_memory_bytes, usable_host_memory_bytes
 
 
 def doctor(*args, **env_overrides):
@@ -37,7 +37,7 @@ def test_json_report_on_the_host_backend():
     ram = total_host_memory_bytes()
     assert report["host_ram_bytes"] == ram
     assert report["local_ranks"] == 1  # no GPU, no LOCAL_WORLD_SIZE: one process
-    assert report["default_limit_per_rank"] == ram // 2
+    assert report["default_limit_per_rank"] == usable_host_memory_bytes() // 2
     assert any("No CUDA device" in line for line in report["advice"])
 
 
@@ -48,7 +48,7 @@ def test_local_world_size_splits_the_default_limit(monkeypatch, capsys):
     assert doctor_module.main(["--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["local_ranks"] == 4
-    assert report["default_limit_per_rank"] == total_host_memory_bytes() // 2 // 4
+    assert report["default_limit_per_rank"] == usable_host_memory_bytes() // 2 // 4
     assert os.environ["LOCAL_WORLD_SIZE"] == "4"
 
 
@@ -73,16 +73,17 @@ def test_bad_arguments_name_the_flag(capsys):
     assert "--copy_mib must be at least 16, got 1" in capsys.readouterr().err
 
 
-def test_cgroup_advice_uses_the_engines_default(monkeypatch):
+def test_default_limit_follows_a_cgroup_limit_below_ram(monkeypatch):
+    from ckpt_offload import config
     from ckpt_offload import doctor as doctor_module
 
     report = doctor_module.Report()
     ram = total_host_memory_bytes()
-    monkeypatch.setattr(doctor_module, "cgroup_memory_limit", lambda: ram // 4)
+    monkeypatch.setattr(config, "cgroup_memory_limit", lambda: ram // 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     doctor_module.check_host_memory(report, gpus=2)
+    assert report.values["cgroup_limit_bytes"] == ram // 4
     assert report.values["local_ranks"] == 2
-    assert report.values["default_limit_per_rank"] == ram // 2 // 2
+    assert report.values["default_limit_per_rank"] == ram // 4 // 2 // 2
     assert "LOCAL_WORLD_SIZE" not in os.environ  # restored after evaluating the rule
-    assert len(report.advice) == 1 and "cgroup" in report.advice[0], report.advice
-    assert f'host_memory_limit="{max((ram // 4 // 2 // 2) >> 30, 1)}GiB"' in report.advice[0]
+    assert any("half of the cgroup limit / 2" in shown for _, _, shown in report.rows)

@@ -170,11 +170,12 @@ def test_planner_module_needs_no_torch():
 
 def test_default_host_limit_is_the_engines_rule(monkeypatch):
     """The planner's default limit per GPU (C++) and config.parse_host_memory_limit(None)
-    (what the engine uses) agree for this machine's RAM."""
-    from ckpt_offload.config import parse_host_memory_limit, total_host_memory_bytes
+    (what the engine uses) agree for the memory this process may use (RAM, or a lower
+    cgroup limit)."""
+    from ckpt_offload.config import parse_host_memory_limit, usable_host_memory_bytes
 
     for ranks in (1, 3, 8):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
-        plan = json.loads(run("--preset=llama-1b", f"--host_ram={total_host_memory_bytes()}",
+        plan = json.loads(run("--preset=llama-1b", f"--host_ram={usable_host_memory_bytes()}",
                               f"--gpus_per_node={ranks}", "--json").stdout)
         assert plan["host_limit_per_gpu"] == parse_host_memory_limit(None), ranks

@@ -31,6 +31,29 @@ def total_host_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+def cgroup_memory_limit(root: str = "/sys/fs/cgroup") -> Optional[int]:
+    """The memory limit of this process's cgroup (v2, else v1) in bytes; None when none.
+    Reads the files of the cgroup mount the process sees (a container's own)."""
+    for path in (os.path.join(root, "memory.max"),
+                 os.path.join(root, "memory", "memory.limit_in_bytes")):
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if text.isdigit() and int(text) < 2**60:  # v1 reports "no limit" as about 2**63
+            return int(text)
+    return None
+
+
+def usable_host_memory_bytes() -> int:
+    """RAM, or the cgroup's memory limit when lower (a container's): the pool's pinned
+    pages are the process's own anonymous memory, charged to its cgroup."""
+    limit = cgroup_memory_limit()
+    ram = total_host_memory_bytes()
+    return ram if limit is None else min(ram, limit)
+
+
 def local_world_size() -> int:
     """Processes sharing this node's RAM (LOCAL_WORLD_SIZE from torchrun/accelerate)."""
     try:
@@ -41,12 +64,13 @@ def local_world_size() -> int:
 
 def parse_host_memory_limit(value: HostMemoryLimit, field: str = "host_memory_limit") -> int:
     """Bytes for a limit given as bytes, a size string ("24GiB", "512MB"), a fraction of RAM
-    in (0, 1] (e.g. 0.5), or None (half of RAM split across the node's local ranks)."""
+    in (0, 1] (e.g. 0.5), or None (half of usable_host_memory_bytes() split across the
+    node's local ranks)."""
     accepted = ("accepted: an int of bytes, a size string like '24GiB' or '512MB', "
                 "a fraction of RAM in (0, 1] like 0.5, or None")
-    ram = total_host_memory_bytes()
     if value is None:
-        return ram // 2 // local_world_size()
+        return usable_host_memory_bytes() // 2 // local_world_size()
+    ram = total_host_memory_bytes()
     if isinstance(value, bool):
         raise ValueError(f"{field}: got {value!r}; {accepted}")
     if isinstance(value, int):
@@ -107,8 +131,8 @@ class OffloadConfig:
         1 << 20, "Saved tensors smaller than this many bytes stay where they are.")
     host_memory_limit: HostMemoryLimit = _setting(
         None, "Cap on host memory for offloaded tensors: bytes, a size such as '24GiB', or a "
-              "fraction of RAM such as 0.5. Default: half of RAM, split across the node's "
-              "local ranks.")
+              "fraction of RAM such as 0.5. Default: half of RAM (of the cgroup's memory "
+              "limit when that is lower), split across the node's local ranks.")
     backend: str = _setting(
         "auto", "'auto' offloads CUDA tensors and leaves others; 'cuda'; 'host' moves CPU "
                 "tensors through host memory (so every path runs on CPU-only machines, for "

@@ -85,15 +85,6 @@ def _read(path: str) -> Optional[str]:
         return None
 
 
-def cgroup_memory_limit() -> Optional[int]:
-    """The memory limit of this process's cgroup (v2, else v1) in bytes; None when none."""
-    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        text = _read(path)
-        if text and text.isdigit() and int(text) < 2**60:  # v1 reports "no limit" as ~2^63
-            return int(text)
-    return None
-
-
 def default_limit_for(local_ranks: int) -> int:
     """host_memory_limit=None's bytes with `local_ranks` processes on this node: the
     engine's own rule (ckpt_offload.config), evaluated with LOCAL_WORLD_SIZE set so."""
@@ -305,7 +296,7 @@ def check_numa(report: Report, bus_id: Optional[str]):
 
 
 def check_host_memory(report: Report, gpus: int):
-    from ckpt_offload.config import local_world_size, total_host_memory_bytes
+    from ckpt_offload.config import cgroup_memory_limit, local_world_size, total_host_memory_bytes
 
     ram = total_host_memory_bytes()
     report.add("Host memory", "host_ram_bytes", "RAM", ram, gib(ram))
@@ -318,15 +309,9 @@ def check_host_memory(report: Report, gpus: int):
     source = "LOCAL_WORLD_SIZE" if env_ranks else \
         (f"one process per GPU ({gpus})" if gpus else "one process")
     report.add("Host memory", "local_ranks", "local ranks", ranks, f"{ranks} ({source})")
+    whole = "the cgroup limit" if limit is not None and limit < ram else "RAM"
     report.add("Host memory", "default_limit_per_rank", "default host_memory_limit per rank",
-               per_rank, f"{gib(per_rank)} (half of RAM / {ranks})")
-    if limit is not None and per_rank * ranks > limit // 2:
-        fitting = limit // 2 // ranks
-        report.advise(f"The defaults would let {ranks} rank(s) pin {gib(per_rank * ranks)} in "
-                      f"all, more than half of this cgroup's {gib(limit)} limit (the "
-                      f"container's, not the machine's RAM): pass host_memory_limit="
-                      f"\"{max(fitting >> 30, 1)}GiB\" (or a cgroup limit that fits), or "
-                      "pinned memory may get the process killed.")
+               per_rank, f"{gib(per_rank)} (half of {whole} / {ranks})")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
