@@ -172,26 +172,17 @@ void FaultIn(char* ptr, size_t bytes) {
   for (std::thread& worker : workers) worker.join();
 }
 
-// The value in bytes of meminfo's `key` line ("MemAvailable:   123456 kB").
-std::optional<size_t> MeminfoBytes(absl::string_view meminfo, absl::string_view key) {
-  for (absl::string_view line : absl::StrSplit(meminfo, '\n')) {
-    if (!absl::ConsumePrefix(&line, key) || !absl::ConsumePrefix(&line, ":")) continue;
+// The value in bytes of the `key` line of /proc/meminfo ("MemAvailable:   123456 kB") or
+// of a cgroup's memory.stat ("file 123456"); a longer key that starts with `key` is another.
+std::optional<size_t> KeyedBytes(absl::string_view text, absl::string_view key) {
+  for (absl::string_view line : absl::StrSplit(text, '\n')) {
+    if (!absl::ConsumePrefix(&line, key)) continue;
+    if (!absl::ConsumePrefix(&line, ":") && !absl::ConsumePrefix(&line, " ")) continue;
     line = absl::StripAsciiWhitespace(line);
     const bool kib = absl::ConsumeSuffix(&line, "kB");
     size_t value = 0;
     if (!absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &value)) return std::nullopt;
     return kib ? value * 1024 : value;
-  }
-  return std::nullopt;
-}
-
-// The value of memory.stat's `key` line ("file 123456"), in bytes.
-std::optional<size_t> MemoryStatBytes(absl::string_view stat, absl::string_view key) {
-  for (absl::string_view line : absl::StrSplit(stat, '\n')) {
-    if (!absl::ConsumePrefix(&line, key) || !absl::ConsumePrefix(&line, " ")) continue;
-    size_t value = 0;
-    if (absl::SimpleAtoi(absl::StripAsciiWhitespace(line), &value)) return value;
-    return std::nullopt;
   }
   return std::nullopt;
 }
@@ -360,7 +351,7 @@ absl::StatusOr<size_t> AvailableHostBytes(absl::string_view proc_root,
   const std::string meminfo_path = absl::StrCat(proc_root, "/meminfo");
   absl::StatusOr<std::string> meminfo = ReadSmallFile(meminfo_path);
   if (!meminfo.ok()) return meminfo.status();
-  std::optional<size_t> available = MeminfoBytes(*meminfo, "MemAvailable");
+  std::optional<size_t> available = KeyedBytes(*meminfo, "MemAvailable");
   if (!available.has_value()) {
     return absl::NotFoundError(absl::StrCat("no MemAvailable line in ", meminfo_path));
   }
@@ -379,8 +370,8 @@ absl::StatusOr<size_t> AvailableHostBytes(absl::string_view proc_root,
         // Page cache counts as used but is reclaimed under the limit (shmem is not).
         absl::StatusOr<std::string> stat = ReadSmallFile(dir + "/memory.stat");
         if (stat.ok()) {
-          const size_t file = MemoryStatBytes(*stat, "file").value_or(0);
-          const size_t shmem = MemoryStatBytes(*stat, "shmem").value_or(0);
+          const size_t file = KeyedBytes(*stat, "file").value_or(0);
+          const size_t shmem = KeyedBytes(*stat, "shmem").value_or(0);
           const size_t reclaimable = file > shmem ? file - shmem : 0;
           *used -= std::min(*used, reclaimable);
         }

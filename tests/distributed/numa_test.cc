@@ -369,7 +369,10 @@ TEST(AvailableHostBytesTest, TheTightestGroupOnThePathLowersIt) {
   cgroup.Write("pod/memory.current", "6442450944\n");  // 6 GiB of it used
   EXPECT_EQ(AvailableHostBytes(proc.root(), cgroup.root()).value(), size_t{2} << 30);
   // Its page cache is reclaimable, shmem is not.
-  cgroup.Write("pod/memory.stat", "anon 1000\nfile 1073741824\nkernel 10\nshmem 536870912\n");
+  // Keys that merely start like the wanted ones (file_mapped, shmem_thp) are other lines.
+  cgroup.Write("pod/memory.stat",
+               "anon 1000\nfile_mapped 7\nfile 1073741824\nkernel 10\nshmem_thp 9\n"
+               "shmem 536870912\n");
   EXPECT_EQ(AvailableHostBytes(proc.root(), cgroup.root()).value(),
             (size_t{2} << 30) + (size_t{512} << 20));
   // A group over its limit (reclaim pending) has no headroom at all.

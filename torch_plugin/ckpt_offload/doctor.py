@@ -29,8 +29,8 @@ from typing import Dict, List, Optional
 # Below these, copies are well under what a PCIe 4.0 x16 link gives (about 25 GB/s per
 # direction; 5.0 x16 about 50): something in the path is off.
 SLOW_COPY_GBPS = 10.0
-# The engine's pool growing by a fresh slab (it pins its own: about 17 GB/s on an H200
-# host, where torch's cudaHostAlloc gives 1.5-2.7); much slower pinning means the first
+# The engine's pool growing by a fresh slab (it pins its own: 14-19 GB/s on an H200 host,
+# where torch's cudaHostAlloc gives 1.5-3.2); much slower pinning means the first
 # steps at a new longest length wait for it.
 SLOW_PIN_GBPS = 4.0
 COPY_REPEATS = 5
