@@ -3,7 +3,6 @@
 #include <ATen/SequenceNumber.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/anomaly_mode.h>
-#include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <algorithm>
@@ -72,7 +71,7 @@ VersionCheck::VersionCheck(const at::Tensor& tensor) {
   if (!counter.enabled()) return;  // an inference tensor: autograd checks nothing either
   counter_ = counter;
   saved_version_ = counter_.current_version();
-  grad_fn_ = tensor.grad_fn();
+  grad_fn_ = WeakNodeRef(tensor.grad_fn());
   output_nr_ = tensor.output_nr();
 }
 
@@ -86,7 +85,7 @@ void VersionCheck::Verify(c10::IntArrayRef sizes, at::ScalarType dtype,
   message << "one of the variables needed for gradient computation has been modified by an "
              "inplace operation: ["
           << TypeName(dtype, device) << " " << sizes << "]";
-  if (std::shared_ptr<torch::autograd::Node> grad_fn = grad_fn_.lock()) {
+  if (const NodeRef grad_fn = grad_fn_.lock()) {
     message << ", which is output " << output_nr_ << " of " << grad_fn->name() << ",";
   }
   message << " is at version " << current << "; expected version " << saved_version_ << " instead.";

@@ -45,13 +45,16 @@
 #define CKPT_OFFLOAD_TORCH_PLUGIN_CSRC_TENSOR_OFFLOADER_H_
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
 
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -61,11 +64,24 @@
 #include "torch_plugin/csrc/head_policy.h"
 #include "torch_plugin/csrc/mutex_lock.h"
 
-namespace torch::autograd {
-struct Node;
-}  // namespace torch::autograd
-
 namespace ckpt_offload::torch_plugin {
+
+// What Tensor::grad_fn() returns: std::shared_ptr<Node> up to torch 2.12,
+// c10::intrusive_ptr<Node> from 2.13. Deduced, so one source builds against both.
+using NodeRef = std::decay_t<decltype(std::declval<const at::Tensor&>().grad_fn())>;
+
+// The weak reference that matches NodeRef's ownership.
+template <typename Strong>
+struct WeakRefOf;
+template <typename T>
+struct WeakRefOf<std::shared_ptr<T>> {
+  using type = std::weak_ptr<T>;
+};
+template <typename T>
+struct WeakRefOf<c10::intrusive_ptr<T>> {
+  using type = c10::weak_intrusive_ptr<T>;
+};
+using WeakNodeRef = typename WeakRefOf<NodeRef>::type;
 
 enum class Backend { kCuda, kHost };
 enum class Scope { kCheckpointInputs, kAll };
@@ -100,7 +116,7 @@ class VersionCheck {
   uint32_t saved_version_ = 0;
   // For the message only ("which is output 0 of MulBackward0"); weak, so nothing of the
   // graph is kept alive by a saved tensor.
-  std::weak_ptr<torch::autograd::Node> grad_fn_;
+  WeakNodeRef grad_fn_{NodeRef()};
   int64_t output_nr_ = 0;
 };
 
