@@ -69,18 +69,29 @@ local_python = repository_rule(
 
 def _local_torch_impl(repository_ctx):
     python = _python(repository_ctx)
+
+    # The project's one list of tested torch releases and its reading of the C++ standard
+    # torch's headers require (the pip build uses the same file).
+    versions = repository_ctx.path(Label("//torch_plugin:ckpt_offload/versions.py"))
     info = _ask_python(repository_ctx, python, "\n".join([
-        "import os, torch",
+        "import os, sys, importlib.util",
+        "spec = importlib.util.spec_from_file_location('versions', %r)" % str(versions),
+        "versions = importlib.util.module_from_spec(spec)",
+        "spec.loader.exec_module(versions)",
+        "import torch",
+        "untested = versions.untested_torch(torch.__version__)",
+        "if untested: sys.exit(untested)",
         "from torch.utils import cpp_extension",
         "print(os.path.dirname(torch.__file__))",
         "print(int(torch._C._GLIBCXX_USE_CXX11_ABI))",
         "print(torch.version.cuda or '')",
         "print(torch.__version__)",
+        "print(versions.cxx_standard(os.path.join(os.path.dirname(torch.__file__), 'include')))",
         "flags = getattr(cpp_extension, '_get_pybind11_abi_build_flags', lambda: [])()",
         "print(' '.join(flags))",
     ])).split("\n")
-    torch_dir, abi, cuda_version, version = info[0], info[1], info[2], info[3]
-    pybind_flags = info[4].split(" ") if len(info) > 4 and info[4] else []
+    torch_dir, abi, cuda_version, version, cxx_std = info[0], info[1], info[2], info[3], info[4]
+    pybind_flags = info[5].split(" ") if len(info) > 5 and info[5] else []
     repository_ctx.symlink(torch_dir + "/include", "include")
     repository_ctx.symlink(torch_dir + "/lib", "lib")
     has_cuda_libs = repository_ctx.path(torch_dir + "/lib/libtorch_cuda.so").exists
@@ -137,12 +148,15 @@ cc_library(
         "TORCH_CUDA_VERSION = \"%s\"" % cuda_version,
         "TORCH_CXX11_ABI = %s" % abi,
         "TORCH_HAS_CUDA_LIBS = %s" % has_cuda_libs,
+        "# For every target that compiles against torch's headers: after .bazelrc's",
+        "# -std=c++17 (offload_core's own), the standard this torch requires.",
+        "TORCH_COPTS = [\"-std=%s\"]" % cxx_std,
         "",
     ]))
 
 local_torch = repository_rule(
     implementation = _local_torch_impl,
-    environ = [_PYTHON_ENV, "PATH", "VIRTUAL_ENV"],
+    environ = [_PYTHON_ENV, "PATH", "VIRTUAL_ENV", "CKPT_OFFLOAD_ALLOW_UNTESTED_TORCH"],
     local = True,
 )
 

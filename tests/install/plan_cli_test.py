@@ -179,3 +179,29 @@ def test_default_host_limit_is_the_engines_rule(monkeypatch):
         plan = json.loads(run("--preset=llama-1b", f"--host_ram={usable_host_memory_bytes()}",
                               f"--gpus_per_node={ranks}", "--json").stdout)
         assert plan["host_limit_per_gpu"] == parse_host_memory_limit(None), ranks
+
+
+# `import torch` raises ModuleNotFoundError in the child, as on a machine without torch.
+WITHOUT_TORCH = "import sys; sys.modules['torch'] = None; "
+
+
+def run_without_torch(code):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    return subprocess.run([sys.executable, "-c", WITHOUT_TORCH + code], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_planner_runs_where_torch_cannot_be_imported():
+    result = run_without_torch(
+        "import runpy; sys.argv = ['plan', '--preset=llama-8b', '--seq=8192']; "
+        "runpy.run_module('ckpt_offload.plan', run_name='__main__')")
+    assert result.returncode == 0, result.stderr
+    assert "exposed transfer per step" in result.stdout
+
+
+def test_the_api_without_torch_names_what_to_install():
+    result = run_without_torch("import ckpt_offload; ckpt_offload.checkpoint")
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: ckpt_offload needs torch"), result.stderr
+    assert "pip install 'torch>=" in last and "--no-build-isolation" in last

@@ -7,26 +7,44 @@
         loss = head(h)
         loss.backward()
     print(engine.stats())
+
+The names below load torch and the extension on first use (ckpt_offload/_native.py checks
+both), so that `python -m ckpt_offload.plan` and `ckpt_offload.versions` work without torch.
 """
 
+import importlib
 import pkgutil
 
 # ckpt_offload.hf and ckpt_offload.axolotl live in hf_integration/ in the source tree.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-import torch  # noqa: E402, F401  (loads libtorch before the extension)
+from ckpt_offload.versions import VERSION as __version__  # noqa: E402
 
-from ckpt_offload import _C  # noqa: E402, F401
-from ckpt_offload.config import (  # noqa: E402
-    BACKENDS, SCOPES, OffloadConfig, parse_host_memory_limit)
-from ckpt_offload.engine import (  # noqa: E402
-    STAT_KEYS, OffloadEngine, checkpoint, current_engine, mark_checkpoint_inputs,
-    offload_activations)
+# Public name -> the submodule that defines it.
+_EXPORTS = {
+    "BACKENDS": "config",
+    "SCOPES": "config",
+    "OffloadConfig": "config",
+    "parse_host_memory_limit": "config",
+    "STAT_KEYS": "engine",
+    "OffloadEngine": "engine",
+    "checkpoint": "engine",
+    "current_engine": "engine",
+    "mark_checkpoint_inputs": "engine",
+    "offload_activations": "engine",
+}
 
-__version__ = "0.1.0"
+__all__ = [*_EXPORTS, "__version__"]
 
-__all__ = [
-    "BACKENDS", "SCOPES", "STAT_KEYS", "OffloadConfig", "OffloadEngine", "checkpoint",
-    "current_engine", "mark_checkpoint_inputs", "offload_activations",
-    "parse_host_memory_limit", "__version__",
-]
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'ckpt_offload' has no attribute {name!r}")
+    importlib.import_module("ckpt_offload._native")
+    value = getattr(importlib.import_module(f"ckpt_offload.{_EXPORTS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -118,7 +118,7 @@ def check_software(report: Report):
     report.add("Software", "torch_cuda", "torch CUDA", torch.version.cuda or "none (CPU build)")
     try:
         import ckpt_offload
-        from ckpt_offload import _C
+        from ckpt_offload._native import _C
     except ImportError as error:
         report.failed = True
         report.add("Software", "extension", "ckpt_offload._C", f"does not load: {error}")
@@ -127,6 +127,7 @@ def check_software(report: Report):
         return False
     report.add("Software", "ckpt_offload", "ckpt_offload", ckpt_offload.__version__)
     report.add("Software", "extension", "ckpt_offload._C", _C.__file__)
+    report.add("Software", "built_with_torch", "built against torch", _C.BUILT_WITH_TORCH)
     cuda_compiled = bool(_C.cuda_support_compiled())
     report.add("Software", "c_has_cuda", "_C has CUDA", cuda_compiled,
                "yes" if cuda_compiled else "no (host backend only)")
@@ -339,7 +340,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             if not 0 <= index < gpus:
                 parser.error(f"--device must be in 0..{gpus - 1}, got {index}")
             torch.cuda.set_device(index)
-            from ckpt_offload import _C
+            from ckpt_offload._native import _C
 
             if _C.cuda_support_compiled():
                 check_round_trip(report, "cuda", torch.device("cuda", index))

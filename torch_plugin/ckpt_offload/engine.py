@@ -21,7 +21,7 @@ from typing import Dict, Optional, Tuple
 import torch
 import torch.utils.checkpoint
 
-from ckpt_offload import _C
+from ckpt_offload._native import _C
 from ckpt_offload.config import INT64_MAX, OffloadConfig, check_int, make_config
 
 # The keys of stats(), in order: the extension's own list (its stats table).

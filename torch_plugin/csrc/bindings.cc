@@ -1,6 +1,7 @@
 // ckpt_offload._C: the offloader and its saved-tensor hooks, bound with pybind11. The hooks
 // are C++ (pack/unpack run no Python code per tensor).
 #include <torch/extension.h>
+#include <torch/version.h>
 
 #include <iterator>
 #include <string>
@@ -251,6 +252,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.def("cuda_support_compiled", &ckpt_offload::CudaSupportCompiled);
   m.attr("STAT_KEYS") = StatKeys();
+  // The torch these sources were compiled against: the package compares it with the torch
+  // it runs with (ckpt_offload/_native.py).
+  m.attr("BUILT_WITH_TORCH") = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                               std::to_string(TORCH_VERSION_MINOR) + "." +
+                               std::to_string(TORCH_VERSION_PATCH);
   // The fault hook point (offload_core/fault_hooks.h), for the test-only injector module of
   // tests/reliability; this extension installs nothing there.
   m.attr("_fault_hook") = py::reinterpret_steal<py::object>(
