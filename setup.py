@@ -16,6 +16,12 @@ The build links exactly the libraries the match reports (they differ between abs
 releases) and records their directory as RPATH when it is not a system one. When nothing
 matches, the build stops before compiling, with the packages to install for apt and conda.
 libnuma is not needed: offload_core/numa.cc makes the memory-policy system calls itself.
+
+Before compiling, the build checks what it needs and stops with the command that fixes it:
+setuptools able to build a wheel, an importable torch (build isolation hides the installed
+one), a tested torch (ckpt_offload/versions.py; CKPT_OFFLOAD_ALLOW_UNTESTED_TORCH=1 to go
+on). The C++ standard is the one the installed torch's headers require. Progress lines go to
+the terminal, which pip otherwise keeps silent until the build ends.
 """
 
 import os
@@ -25,10 +31,28 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
+from importlib import util as importlib_util
 
+import setuptools
 from setuptools import Extension, setup
 
 ROOT = pathlib.Path(__file__).parent.resolve()
+
+
+def _load_versions():
+    """ckpt_offload/versions.py, without importing the package (which needs torch)."""
+    spec = importlib_util.spec_from_file_location(
+        "ckpt_offload_versions", ROOT / "torch_plugin/ckpt_offload/versions.py")
+    module = importlib_util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+VERSIONS = _load_versions()
+# setuptools builds wheels itself from 70.1 on; before that only with the wheel package.
+SETUPTOOLS_FOR_WHEELS = (70, 1)
+INSTALL_COMMAND = "pip install --no-build-isolation ."
 
 # Import name -> source directory: ckpt_offload comes from torch_plugin/, its hf and axolotl
 # subpackages from hf_integration/.
@@ -320,14 +344,90 @@ def find_abseil(env=None):
 # --- Extensions ---------------------------------------------------------------------------
 
 
+# --- Checks before the build ---------------------------------------------------------------
+
+
+def _progress(message):
+    """One line for the person waiting: on the terminal when there is one (pip hides the
+    build's own output), else on stderr (logs)."""
+    line = f"ckpt_offload build: {message}\n"
+    try:
+        with open("/dev/tty", "w") as tty:
+            tty.write(line)
+            return
+    except OSError:
+        pass
+    sys.stderr.write(line)
+    sys.stderr.flush()
+
+
+def _version_tuple(text):
+    return tuple(int(p) for p in re.findall(r"\d+", text)[:2])
+
+
+def check_wheel_support(argv):
+    """An error message when this setuptools cannot make the wheel pip asks for, else None."""
+    if not {"bdist_wheel", "dist_info"} & set(argv):
+        return None
+    if _version_tuple(setuptools.__version__) >= SETUPTOOLS_FOR_WHEELS:
+        return None
+    if importlib_util.find_spec("wheel") is not None:
+        return None
+    return (f"setuptools {setuptools.__version__} cannot build a wheel without the 'wheel' "
+            f"package. Upgrade it in this environment, then run pip again:\n"
+            f"  pip install 'setuptools>={'.'.join(map(str, SETUPTOOLS_FOR_WHEELS))}'\n"
+            f"  {INSTALL_COMMAND}")
+
+
+def _torch_outside_build_env(env):
+    """(version, path) of the torch this interpreter imports outside pip's build isolation,
+    or None."""
+    clean = {k: v for k, v in env.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    run = subprocess.run([sys.executable, "-c",
+                          "import torch; print(torch.__version__); print(torch.__file__)"],
+                         env=clean, capture_output=True, text=True, cwd="/")
+    if run.returncode != 0:
+        return None
+    lines = run.stdout.split()
+    return (lines[0], lines[1]) if len(lines) >= 2 else None
+
+
+def import_torch(env=None):
+    """torch, or SystemExit naming what to do: install it, turn build isolation off, or use
+    a tested release."""
+    env = dict(os.environ if env is None else env)
+    try:
+        import torch
+    except ModuleNotFoundError as error:
+        if error.name != "torch":
+            raise
+        sys.exit("ckpt_offload build: torch is not importable here. ckpt_offload compiles "
+                 "against the torch you train with: install it first "
+                 f"(pip install '{VERSIONS.torch_requirement()}'), then build with\n"
+                 f"  {INSTALL_COMMAND}\n"
+                 "(--no-build-isolation: pip's default isolation hides the installed torch).")
+    if "build-env" in torch.__file__:
+        # pip's isolation (pip-build-env-*) or pypa/build's (build-env-*) brought a torch of
+        # its own: the extension would be built for it, not for the torch that imports it.
+        outside = _torch_outside_build_env(env)
+        found = (f"this environment imports torch {outside[0]} ({outside[1]})"
+                 if outside else "this environment has no torch of its own")
+        sys.exit(f"ckpt_offload build: build isolation brought torch {torch.__version__} "
+                 f"into a temporary build environment ({os.path.dirname(torch.__file__)}), "
+                 f"but {found}. Build against your own torch:\n  {INSTALL_COMMAND}")
+    untested = VERSIONS.untested_torch(torch.__version__, env)
+    if untested:
+        sys.exit(untested.replace("ckpt_offload:", "ckpt_offload build:", 1))
+    return torch
+
+
 def load_sources():
     lists = {}
     exec((ROOT / "sources.bzl").read_text(), {}, lists)  # plain list assignments
     return lists
 
 
-def extensions(absl):
-    import torch
+def extensions(absl, torch):
     from torch.utils import cpp_extension
 
     lists = load_sources()
@@ -348,7 +448,11 @@ def extensions(absl):
     # The engine path, as //torch_plugin:torch_offloader links it: no simulator, no fault
     # injector (only its hook points).
     engine = core("ARENA_SRCS", "DEVICE_SRCS", "NUMA_SRCS", "ENGINE_SRCS")
-    compile_args = ["-O2", "-std=c++17", *absl.compile_args]
+    torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
+    std = VERSIONS.cxx_standard(torch_include)
+    _progress(f"torch {torch.__version__}, {std}, "
+              f"{'with' if with_cuda else 'without'} the CUDA backend")
+    compile_args = ["-O2", f"-std={std}", *absl.compile_args]
     common = dict(
         include_dirs=[str(ROOT), *absl.include_dirs],
         extra_link_args=absl.link_args + absl.rpath_args(),
@@ -368,15 +472,37 @@ def extensions(absl):
     plan_sources = engine + core("SIMULATOR_SRCS", "PLANNER_SRCS")
     plan_sources += [f"torch_plugin/{s}" for s in lists["PLAN_PYBIND_SRCS"]]
     plan_ext = Extension(
-        **dict(common, include_dirs=common["include_dirs"] +
-               [os.path.join(os.path.dirname(torch.__file__), "include")]),
+        **dict(common, include_dirs=common["include_dirs"] + [torch_include]),
         name="ckpt_offload._plan", sources=plan_sources, language="c++",
         extra_compile_args=compile_args + ["-fvisibility=hidden"],
     )
     return [c_ext, plan_ext]
 
 
+def build_ext_class(cpp_extension):
+    """torch's BuildExtension, saying what it compiles and how long it took."""
+
+    class BuildExtensionWithProgress(cpp_extension.BuildExtension):
+        def build_extensions(self):
+            if not cpp_extension.is_ninja_available():
+                _progress("ninja not found: compiling one file at a time "
+                          "(pip install ninja for a parallel build)")
+            super().build_extensions()
+
+        def build_extension(self, ext):
+            start = time.monotonic()
+            _progress(f"compiling {ext.name}: {len(ext.sources)} sources")
+            super().build_extension(ext)
+            _progress(f"{ext.name} done in {time.monotonic() - start:.0f} s")
+
+    return BuildExtensionWithProgress
+
+
 def main():
+    wheel_error = check_wheel_support(sys.argv[1:])
+    if wheel_error:
+        sys.exit(f"ckpt_offload build: {wheel_error}")
+    torch = import_torch()
     from torch.utils import cpp_extension
 
     try:
@@ -387,14 +513,17 @@ def main():
           f" in {', '.join(absl.library_dirs) or 'the default paths'}")
     setup(
         name="ckpt_offload",
-        version="0.1.0",
+        version=VERSIONS.VERSION,
         description="Activation offload for non-reentrant activation checkpointing",
+        license="Apache-2.0",
+        license_files=["LICENSE"],
         package_dir=PACKAGE_DIRS,
         packages=list(PACKAGE_DIRS),
-        ext_modules=extensions(absl),
-        cmdclass={"build_ext": cpp_extension.BuildExtension},
-        python_requires=">=3.10",
-        install_requires=["torch"],
+        ext_modules=extensions(absl, torch),
+        cmdclass={"build_ext": build_ext_class(cpp_extension)},
+        python_requires=VERSIONS.python_requirement(),
+        install_requires=[VERSIONS.torch_requirement()],
+        extras_require={name: list(reqs) for name, reqs in VERSIONS.EXTRAS.items()},
     )
 
 
