@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Idempotent set-up of a fresh Debian 12 machine: Debian packages, the project venv with
-# pinned Python packages. Safe to run again; it skips what is already in place.
-#   CKPT_OFFLOAD_VENV  where the venv lives (default ~/.cache/ckpt_offload/venv, outside the
-#                      clone so fresh clones and CI reuse it)
+# pinned Python packages (Bazel builds and tests against it), and two venvs made as pip users
+# make them, with ckpt_offload built into each by pip (scripts/pip_venv.sh): PyPI's newest
+# torch, and what `pip install axolotl==0.21.0` brings. Safe to run again; it skips what is
+# already in place.
+#   CKPT_OFFLOAD_VENV   the project venv (default ~/.cache/ckpt_offload/venv, outside the
+#                       clone so fresh clones and CI reuse it)
+#   CKPT_OFFLOAD_CACHE  where the pip-made venvs live (default ~/.cache/ckpt_offload)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${CKPT_OFFLOAD_VENV:-$HOME/.cache/ckpt_offload/venv}"
@@ -40,6 +44,20 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   "$VENV/bin/python" -m pip install -q -r "$ROOT/requirements/lock.txt"
   echo "$want" > "$stamp"
 fi
-# The Axolotl test venv, over this one (about a minute from cold; see setup_axolotl.sh).
-CKPT_OFFLOAD_VENV="$VENV" bash "$ROOT/scripts/setup_axolotl.sh"
+
+# Python 3.12 for the pip-made venvs (Axolotl 0.21 needs it): on PATH, else pyenv's.
+python312=""
+for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
+  if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    python312="$(command -v "$candidate")"
+    break
+  fi
+done
+if [ -z "$python312" ]; then
+  echo "setup: no Python 3.12 found (python3.12 on PATH or under pyenv); install one" >&2
+  exit 1
+fi
+CACHE="${CKPT_OFFLOAD_CACHE:-$HOME/.cache/ckpt_offload}"
+bash "$ROOT/scripts/pip_venv.sh" "$CACHE/newest-venv" "$python312" "$ROOT/requirements/newest-lock.txt"
+bash "$ROOT/scripts/pip_venv.sh" "$CACHE/axolotl-venv" "$python312" "$ROOT/requirements/axolotl-lock.txt"
 echo "setup: ready (venv $VENV, $("$VENV/bin/python" -c 'import torch; print("torch", torch.__version__)'))"
