@@ -79,3 +79,7 @@ def test_extras_rows_show_the_bounds_and_every_locked_release_within_them(extra,
         assert spec.specifier.contains(version), (lock, package, version, str(spec))
         assert version in where, f"README's {package} row does not name {version} ({lock})"
 
+
+
+def test_install_block_asks_for_the_tested_torch_range():
+    assert f'pip install "{versions.torch_requirement()}"' in read("README.md")
