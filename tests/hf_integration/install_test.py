@@ -562,3 +562,110 @@ def _forward_with_feed_forward(layer, hidden_states, *args, **kwargs):
         return type(layer).forward(layer, hidden_states, *args, **kwargs)
     finally:
         del layer.mlp
+
+
+# Gradient checkpointing toggled while installed (TRL's disable_gradient_checkpointing()
+# around reference and old-policy forwards, every_n_layers, an assignment): each training
+# forward takes over the function it finds, and disable() gives back the user's latest.
+
+
+def trl_toggle(model, **enable):
+    """What trl.models.utils.disable_gradient_checkpointing() does around a forward."""
+    model.gradient_checkpointing_disable()
+    with torch.no_grad():
+        model(**batch(seed=9))
+    model.gradient_checkpointing_enable({"use_reentrant": False}, **enable)
+
+
+def toggled_steps(model, handle=None, steps=3, **enable):
+    """Steps with a TRL toggle before each one after the first; returns (losses, grads,
+    engine stats per step)."""
+    losses, grads, stats = [], [], []
+    for step in range(steps):
+        if step:
+            trl_toggle(model, **enable)
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch(seed=step)).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if handle is not None:
+            stats.append(handle.stats())
+    return losses, grads, stats
+
+
+def test_toggling_checkpointing_while_installed_keeps_prefetch_and_recompute():
+    ref_losses, ref_grads, _ = toggled_steps(checkpointed_llama())
+    model = checkpointed_llama()
+    flags = [layer.gradient_checkpointing for layer in model.model.layers]
+    handle = enable_activation_offload(model, keep_last=1, **HOST)
+    losses, grads, stats = toggled_steps(model, handle)
+
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    for ref, got in zip(ref_grads, grads):
+        assert ref.keys() == got.keys()
+        assert all(torch.equal(ref[n], got[n]) for n in ref)
+    for step in stats:
+        # Every offloaded input comes back through a prefetch, also after the toggles.
+        assert step["offloaded_tensors"] == step["restored_tensors"] == LAYERS
+        assert step["prefetched_tensors"] == stats[0]["prefetched_tensors"] > 0
+    # The profiled step (the second) came after a toggle: its recomputes were seen.
+    assert stats[-1]["peak_layer_recompute_bytes"] > 0
+    user = model.model.layers[0].__dict__["_gradient_checkpointing_func"].original
+    handle.disable()
+    # The user's latest function (the last enable's) on every module, flags as they are.
+    assert not installations(model)
+    funcs = checkpoint_funcs(model)
+    assert isinstance(user, functools.partial) and all(f is user for f in funcs.values())
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == flags
+
+
+def test_every_n_layers_set_while_installed():
+    reference = checkpointed_llama()
+    ref = toggled_steps(reference, every_n_layers=2)
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, keep_last=0, offload_head=False, **HOST)
+    losses, grads, stats = toggled_steps(model, handle, every_n_layers=2)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], losses))
+    assert all(torch.equal(ref[1][-1][n], grads[-1][n]) for n in grads[-1])
+    assert stats[0]["offloaded_tensors"] == LAYERS
+    for step in stats[1:]:  # layers 0 and 2 checkpointed
+        assert step["offloaded_tensors"] == step["restored_tensors"] == 2
+        assert step["prefetched_tensors"] == 1  # layer 0's, after layer 2's backward
+    handle.disable()
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [
+        True, False, True, False]
+    funcs = list(checkpoint_funcs(model).values())
+    assert all(f is funcs[0] for f in funcs)  # the last enable's partial
+    assert (funcs[0].func, funcs[0].keywords) == (torch.utils.checkpoint.checkpoint,
+                                                  {"use_reentrant": False})
+    assert not installations(model)
+
+
+def test_a_function_assigned_while_installed_is_wrapped_and_given_back():
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, keep_last=1, **HOST)
+    model(**batch()).loss.backward()
+    first = handle.stats()
+    mine = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    model.model.layers[1]._gradient_checkpointing_func = mine
+    model.zero_grad(set_to_none=True)
+    model(**batch()).loss.backward()
+    assert handle.stats()["prefetched_tensors"] == first["prefetched_tensors"]
+    assert model.model.layers[1].__dict__["_gradient_checkpointing_func"].original is mine
+    handle.disable()
+    assert model.model.layers[1].__dict__["_gradient_checkpointing_func"] is mine
+
+
+def test_checkpointing_turned_on_by_the_installation_goes_off_after_toggles():
+    model = tiny_llama()
+    model.train()
+    before = model_state(model)
+    hooks = dict(model.get_input_embeddings()._forward_hooks)
+    handle = enable_activation_offload(model, **HOST)
+    toggled_steps(model, handle)
+    assert model.get_input_embeddings()._forward_hooks  # one per enable, transformers' way
+    handle.disable()
+    assert model_state(model) == before
+    assert not model.is_gradient_checkpointing
+    assert dict(model.get_input_embeddings()._forward_hooks) == hooks
