@@ -669,3 +669,70 @@ def test_checkpointing_turned_on_by_the_installation_goes_off_after_toggles():
     assert model_state(model) == before
     assert not model.is_gradient_checkpointing
     assert dict(model.get_input_embeddings()._forward_hooks) == hooks
+
+
+# Forwards that cannot offload anything (no_grad, inference mode, eval: a generation's
+# decode steps) run the user's code and nothing of ckpt_offload's.
+
+
+def test_a_forward_without_grad_calls_the_users_checkpoint_function_as_it_is():
+    model = checkpointed_llama()
+    calls = []
+
+    def users(function, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    for layer in model.model.layers:
+        layer._gradient_checkpointing_func = users
+    with pytest.warns(UserWarning, match="users is replaced"):
+        handle = enable_activation_offload(model, **HOST)
+    wrapper = model.model.layers[0].__dict__["_gradient_checkpointing_func"]
+    with torch.no_grad():
+        plain = model(**batch()).logits
+    assert calls == [False] * LAYERS  # training mode: the layers call their function
+    with torch.inference_mode():
+        model(**batch())
+    assert handle.totals()["micro_steps"] == 0 and ckpt_offload.current_engine() is None
+    with torch.no_grad():
+        assert torch.equal(model(**batch()).logits, plain)
+    assert model.model.layers[0].__dict__["_gradient_checkpointing_func"] is wrapper
+    handle.disable()
+    assert all(layer.__dict__["_gradient_checkpointing_func"] is users
+               for layer in model.model.layers)
+
+
+def test_forwards_without_offload_look_for_torch_compile_only_before_training(monkeypatch):
+    from ckpt_offload.hf import install as install_module
+
+    looks = []
+    real = install_module.enclosing_compiled_module
+    monkeypatch.setattr(install_module, "enclosing_compiled_module",
+                        lambda max_frames=24: looks.append(max_frames) or real(max_frames))
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, **HOST)
+    with torch.no_grad():
+        model(**batch())
+    assert looks == [install_module._NEAR_FRAMES]  # the outermost level, close by
+    looks.clear()
+    model(**batch()).loss.backward()
+    assert looks == [24]  # a training forward looks further (the decoder's is inside it)
+    looks.clear()
+    with torch.no_grad():
+        model(**batch())
+    model.eval()
+    with torch.inference_mode():
+        model(**batch())
+    assert looks == []
+    handle.disable()
+
+
+def test_a_compiled_forward_without_grad_compiles_the_regions():
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, **HOST)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        compiled(**batch())
+    assert handle.regions is not None
+    assert sum(isinstance(m, GradientCheckpointingLayer) for m in handle.regions.modules) == LAYERS
+    handle.disable()

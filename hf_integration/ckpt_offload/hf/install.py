@@ -86,6 +86,13 @@ STANDING_FIGURES = (
 )
 STEP_PEAKS = ("peak_device_held_bytes", "host_peak_bytes")
 
+# How far up a forward without offload looks for torch.compile (see _OffloadingForward):
+# far enough for torch.compile(model) called directly (the wrapper, dynamo's disable frame,
+# the module's call frames, dynamo's compile frame, the OptimizedModule's call frame).
+# A compile further up (of a wrapper around the model) is found by the first training
+# forward, which looks 24 frames up.
+_NEAR_FRAMES = 8
+
 _HF_OFFLOAD_CHECKPOINT = "gradient_checkpointing_enable.<locals>.checkpoint_func"
 
 # Names of the forward hooks that transformers' enable_input_require_grads and peft's
@@ -213,6 +220,7 @@ class OffloadHandle:
         # (embedding module, hook id) -> the require-grads hook function swapped out.
         self._swapped_hooks: Dict[tuple, Callable] = {}
         self._installed = False
+        self._looking = False  # a forward without offload is looking for a torch.compile
         self.regions: Optional[CompiledRegions] = None
         self._step_open = False
         self._latest: Dict[str, float] = {key: 0 for key in STAT_KEYS}
@@ -444,10 +452,11 @@ class OffloadHandle:
         self._defer_prefetch = False
         self.engine.set_prefetch_on_acquire(True)
 
-    def _compile_like_enclosing(self) -> None:
+    def _compile_like_enclosing(self, max_frames: int = 24) -> None:
         """Under torch.compile(model): compiles this model's regions with that compile's
-        backend, mode and options, once, and says so once."""
-        optimized = enclosing_compiled_module()
+        backend, mode and options, once, and says so once. `max_frames`: how far up the
+        stack the compiled module is looked for."""
+        optimized = enclosing_compiled_module(max_frames)
         if optimized is None:
             return
         backend = backend_of(optimized)
@@ -675,6 +684,10 @@ class _OffloadingCheckpoint:
         return _deepcopy_reduced(self, memo)
 
     def __call__(self, function: Callable, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            # Nothing is saved (no_grad, inference mode: a reference or old-policy forward,
+            # generation in training mode): the user's function, as without ckpt_offload.
+            return self.original(function, *args, **kwargs)
         layer = _layer_of(function)
         function, args = _hidden_states_as_positional(function, args)
         tensors = [a for a in args
@@ -823,14 +836,29 @@ class _OffloadingForward:
     @torch._dynamo.disable
     def __call__(self, *args, **kwargs):
         handle = self.handle
+        # Only training forwards are engine steps: without grad (no_grad, inference mode)
+        # nothing is saved, and in eval mode GradientCheckpointingLayer does not
+        # checkpoint. Those (generation's decode steps, evaluation, a reference model's
+        # forward) run the original forward and nothing else; before the first training
+        # forward, the outermost level also looks for torch.compile(model) around it, so
+        # that an evaluation or generation under it runs the compiled regions. (Later, a
+        # training forward finds it.)
+        if not (torch.is_grad_enabled() and self.module.training):
+            if handle._micro_steps or handle.regions is not None or handle._looking:
+                return self.original(*args, **kwargs)
+            handle._looking = True
+            try:
+                handle._compile_like_enclosing(_NEAR_FRAMES)
+                return self.original(*args, **kwargs)
+            finally:
+                handle._looking = False
+        engine = ckpt_offload.current_engine()
+        if engine is handle.engine:
+            return self.original(*args, **kwargs)  # inside an outer level's step
         if handle.regions is None:
             handle._compile_like_enclosing()
-        # Only training forwards are engine steps: without grad nothing is saved, and in
-        # eval mode GradientCheckpointingLayer does not checkpoint. A context the user
-        # entered around the call is theirs to keep.
-        if not (torch.is_grad_enabled() and self.module.training) or (
-                ckpt_offload.current_engine() is not None):
-            return self.original(*args, **kwargs)
+        if engine is not None:
+            return self.original(*args, **kwargs)  # a context the user entered: theirs
         handle._begin_step(_token_count(args, kwargs))
         handle._own_checkpoint_funcs()
         handle._swap_require_grads_hooks()
