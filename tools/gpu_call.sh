@@ -3,7 +3,8 @@
 # (the device tool returns at most 8 files). Usage on the GPU machine, from the repo root:
 #   CKPT_OFFLOAD_COMMIT=<hash> bash tools/gpu_call.sh "suite" "bench:<gpu_bench args>" ...
 # Jobs: suite | pytest:<args> | py:<args> (python3 <args> from tests/) | bench:<args> |
-#       packbench:<source tree of the base to compare with> | real:<real_bench args>
+#       packbench:<source tree of the base to compare with> | real:<real_bench args> |
+#       trl:<trl_bench args>
 set -uo pipefail
 LOGS=/tmp/gpu_logs
 rm -rf "$LOGS" && mkdir -p "$LOGS"
@@ -67,6 +68,12 @@ for job in "$@"; do
       # shellcheck disable=SC2086
       (cd /tmp && python3 "$OLDPWD/benchmarks/real_bench.py" ${job#real:} --out "$LOGS/real") \
         2>&1 | tee -a "$LOGS/real/real.log" || status=1 ;;
+    trl:*)
+      install_once
+      mkdir -p "$LOGS/trl"
+      # shellcheck disable=SC2086
+      (cd /tmp && python3 "$OLDPWD/benchmarks/trl_bench.py" ${job#trl:} --out "$LOGS/trl") \
+        2>&1 | tee -a "$LOGS/trl/trl.log" || status=1 ;;
     *) echo "unknown job $job"; status=1 ;;
   esac
   # After every job: a call that runs past its time limit still returns what finished.

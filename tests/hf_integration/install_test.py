@@ -562,3 +562,177 @@ def _forward_with_feed_forward(layer, hidden_states, *args, **kwargs):
         return type(layer).forward(layer, hidden_states, *args, **kwargs)
     finally:
         del layer.mlp
+
+
+# Gradient checkpointing toggled while installed (TRL's disable_gradient_checkpointing()
+# around reference and old-policy forwards, every_n_layers, an assignment): each training
+# forward takes over the function it finds, and disable() gives back the user's latest.
+
+
+def trl_toggle(model, **enable):
+    """What trl.models.utils.disable_gradient_checkpointing() does around a forward."""
+    model.gradient_checkpointing_disable()
+    with torch.no_grad():
+        model(**batch(seed=9))
+    model.gradient_checkpointing_enable({"use_reentrant": False}, **enable)
+
+
+def toggled_steps(model, handle=None, steps=3, **enable):
+    """Steps with a TRL toggle before each one after the first; returns (losses, grads,
+    engine stats per step)."""
+    losses, grads, stats = [], [], []
+    for step in range(steps):
+        if step:
+            trl_toggle(model, **enable)
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch(seed=step)).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if handle is not None:
+            stats.append(handle.stats())
+    return losses, grads, stats
+
+
+def test_toggling_checkpointing_while_installed_keeps_prefetch_and_recompute():
+    ref_losses, ref_grads, _ = toggled_steps(checkpointed_llama())
+    model = checkpointed_llama()
+    flags = [layer.gradient_checkpointing for layer in model.model.layers]
+    handle = enable_activation_offload(model, keep_last=1, **HOST)
+    losses, grads, stats = toggled_steps(model, handle)
+
+    assert all(torch.equal(a, b) for a, b in zip(ref_losses, losses))
+    for ref, got in zip(ref_grads, grads):
+        assert ref.keys() == got.keys()
+        assert all(torch.equal(ref[n], got[n]) for n in ref)
+    for step in stats:
+        # Every offloaded input comes back through a prefetch, also after the toggles.
+        assert step["offloaded_tensors"] == step["restored_tensors"] == LAYERS
+        assert step["prefetched_tensors"] == stats[0]["prefetched_tensors"] > 0
+    # The profiled step (the second) came after a toggle: its recomputes were seen.
+    assert stats[-1]["peak_layer_recompute_bytes"] > 0
+    user = model.model.layers[0].__dict__["_gradient_checkpointing_func"].original
+    handle.disable()
+    # The user's latest function (the last enable's) on every module, flags as they are.
+    assert not installations(model)
+    funcs = checkpoint_funcs(model)
+    assert isinstance(user, functools.partial) and all(f is user for f in funcs.values())
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == flags
+
+
+def test_every_n_layers_set_while_installed():
+    reference = checkpointed_llama()
+    ref = toggled_steps(reference, every_n_layers=2)
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, keep_last=0, offload_head=False, **HOST)
+    losses, grads, stats = toggled_steps(model, handle, every_n_layers=2)
+    assert all(torch.equal(a, b) for a, b in zip(ref[0], losses))
+    assert all(torch.equal(ref[1][-1][n], grads[-1][n]) for n in grads[-1])
+    assert stats[0]["offloaded_tensors"] == LAYERS
+    for step in stats[1:]:  # layers 0 and 2 checkpointed
+        assert step["offloaded_tensors"] == step["restored_tensors"] == 2
+        assert step["prefetched_tensors"] == 1  # layer 0's, after layer 2's backward
+    handle.disable()
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [
+        True, False, True, False]
+    funcs = list(checkpoint_funcs(model).values())
+    assert all(f is funcs[0] for f in funcs)  # the last enable's partial
+    assert (funcs[0].func, funcs[0].keywords) == (torch.utils.checkpoint.checkpoint,
+                                                  {"use_reentrant": False})
+    assert not installations(model)
+
+
+def test_a_function_assigned_while_installed_is_wrapped_and_given_back():
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, keep_last=1, **HOST)
+    model(**batch()).loss.backward()
+    first = handle.stats()
+    mine = functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    model.model.layers[1]._gradient_checkpointing_func = mine
+    model.zero_grad(set_to_none=True)
+    model(**batch()).loss.backward()
+    assert handle.stats()["prefetched_tensors"] == first["prefetched_tensors"]
+    assert model.model.layers[1].__dict__["_gradient_checkpointing_func"].original is mine
+    handle.disable()
+    assert model.model.layers[1].__dict__["_gradient_checkpointing_func"] is mine
+
+
+def test_checkpointing_turned_on_by_the_installation_goes_off_after_toggles():
+    model = tiny_llama()
+    model.train()
+    before = model_state(model)
+    hooks = dict(model.get_input_embeddings()._forward_hooks)
+    handle = enable_activation_offload(model, **HOST)
+    toggled_steps(model, handle)
+    assert model.get_input_embeddings()._forward_hooks  # one per enable, transformers' way
+    handle.disable()
+    assert model_state(model) == before
+    assert not model.is_gradient_checkpointing
+    assert dict(model.get_input_embeddings()._forward_hooks) == hooks
+
+
+# Forwards that cannot offload anything (no_grad, inference mode, eval: a generation's
+# decode steps) run the user's code and nothing of ckpt_offload's.
+
+
+def test_a_forward_without_grad_calls_the_users_checkpoint_function_as_it_is():
+    model = checkpointed_llama()
+    calls = []
+
+    def users(function, *args, **kwargs):
+        calls.append(torch.is_grad_enabled())
+        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False, **kwargs)
+
+    for layer in model.model.layers:
+        layer._gradient_checkpointing_func = users
+    with pytest.warns(UserWarning, match="users is replaced"):
+        handle = enable_activation_offload(model, **HOST)
+    wrapper = model.model.layers[0].__dict__["_gradient_checkpointing_func"]
+    with torch.no_grad():
+        plain = model(**batch()).logits
+    assert calls == [False] * LAYERS  # training mode: the layers call their function
+    with torch.inference_mode():
+        model(**batch())
+    assert handle.totals()["micro_steps"] == 0 and ckpt_offload.current_engine() is None
+    with torch.no_grad():
+        assert torch.equal(model(**batch()).logits, plain)
+    assert model.model.layers[0].__dict__["_gradient_checkpointing_func"] is wrapper
+    handle.disable()
+    assert all(layer.__dict__["_gradient_checkpointing_func"] is users
+               for layer in model.model.layers)
+
+
+def test_forwards_without_offload_look_for_torch_compile_only_before_training(monkeypatch):
+    from ckpt_offload.hf import install as install_module
+
+    looks = []
+    real = install_module.enclosing_compiled_module
+    monkeypatch.setattr(install_module, "enclosing_compiled_module",
+                        lambda max_frames=24: looks.append(max_frames) or real(max_frames))
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, **HOST)
+    with torch.no_grad():
+        model(**batch())
+    assert looks == [install_module._NEAR_FRAMES]  # the outermost level, close by
+    looks.clear()
+    model(**batch()).loss.backward()
+    assert looks == [24]  # a training forward looks further (the decoder's is inside it)
+    looks.clear()
+    with torch.no_grad():
+        model(**batch())
+    model.eval()
+    with torch.inference_mode():
+        model(**batch())
+    assert looks == []
+    handle.disable()
+
+
+def test_a_compiled_forward_without_grad_compiles_the_regions():
+    model = checkpointed_llama()
+    handle = enable_activation_offload(model, **HOST)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        compiled(**batch())
+    assert handle.regions is not None
+    assert sum(isinstance(m, GradientCheckpointingLayer) for m in handle.regions.modules) == LAYERS
+    handle.disable()

@@ -166,16 +166,24 @@ def backend_of(optimized: Any) -> Optional[Any]:
 
 def enclosing_compiled_module(max_frames: int = 24) -> Optional[Any]:
     """The torch.compile'd module (OptimizedModule) whose call is running this one, from
-    the call stack, or None. Only nn.Module call frames are looked into."""
+    the call stack, or None. An OptimizedModule calls its module through one of dynamo's
+    frames (torch/_dynamo/eval_frame.py), so only the nn.Module call frames above such a
+    frame are looked into: reading a frame's locals is what costs, and a stack without
+    torch.compile (a generation's decode step) is walked with one code test per frame."""
     optimized_type = getattr(torch._dynamo.eval_frame, "OptimizedModule", None)
     if optimized_type is None:
         return None
     frame = sys._getframe(2)
+    compiled_call = False
     try:
         for _ in range(max_frames):
             if frame is None:
                 return None
-            if frame.f_code in _MODULE_CALL_CODES:
+            code = frame.f_code
+            if not compiled_call:
+                compiled_call = (code.co_filename == _EVAL_FRAME_FILE
+                                 and code not in _DISABLED_CALL_CODES)
+            elif code in _MODULE_CALL_CODES:
                 owner = frame.f_locals.get("self")
                 if isinstance(owner, optimized_type):
                     return owner
@@ -184,6 +192,14 @@ def enclosing_compiled_module(max_frames: int = 24) -> Optional[Any]:
     finally:
         del frame
 
+
+_EVAL_FRAME_FILE = torch._dynamo.eval_frame.__file__
+
+# The frame torch._dynamo.disable puts around a function (ckpt_offload's forward wrapper
+# has one): dynamo's, but no sign of a compiled call.
+_DISABLED_CALL_CODES = tuple(
+    code for code in (getattr(torch._dynamo.disable(lambda: None), "__code__", None),)
+    if code is not None and code.co_filename == _EVAL_FRAME_FILE)
 
 _MODULE_CALL_CODES = tuple(
     getattr(nn.Module, name).__code__ for name in ("_wrapped_call_impl", "_call_impl")

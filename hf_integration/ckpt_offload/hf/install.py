@@ -3,12 +3,19 @@
 What an installation changes, and `OffloadHandle.disable()` puts back exactly:
 - each checkpointing module's `_gradient_checkpointing_func` (set by
   `gradient_checkpointing_enable`) becomes a non-reentrant torch checkpoint that tags the
-  layer's positional tensor inputs as one ckpt_offload group;
+  layer's positional tensor inputs as one ckpt_offload group. The installation owns these
+  functions for as long as it is installed: whatever sets them anew in the meantime
+  (`gradient_checkpointing_disable()` then `..._enable(...)` around a reference forward, as
+  TRL's trainers do; `every_n_layers`; peft's toggles; an assignment), each training forward
+  first wraps the function it finds, remembering it as the user's latest, so every step
+  keeps the tagging, the prefetch and the peak profiler's view of recomputes. disable()
+  puts back the user's latest function on each module;
 - `forward` of the instance passed in, and of each transformers model inside it that holds
   the layers (a peft model's causal LM, the causal LM's decoder), is wrapped so that every
   training forward (grad enabled, training mode: one micro-step) runs inside the offload
   engine's context, also one that calls the decoder directly and computes its own loss;
-- when gradient checkpointing was off, it is turned on (and off again on disable);
+- when gradient checkpointing was off, it is turned on (and off again on disable, whoever
+  toggled it in between: every flag, function and input-grad hook as before installation);
 - forward hooks that `enable_input_require_grads` (transformers, peft) put on the input
   embeddings are swapped for one that makes the embeddings require grad without turning
   them into a leaf (see `_RequireGradWithoutLeaf`); the original hook goes back on
@@ -57,6 +64,8 @@ logger = logging.getLogger("ckpt_offload.hf")
 
 _MISSING = object()
 
+_FUNC = "_gradient_checkpointing_func"
+
 # Attributes that gradient checkpointing sets on modules; saved before and restored after.
 _CHECKPOINTING_ATTRS = (
     "gradient_checkpointing", "_gradient_checkpointing_func",
@@ -76,6 +85,13 @@ STANDING_FIGURES = (
     "host_backend_failures", "micro_steps",
 )
 STEP_PEAKS = ("peak_device_held_bytes", "host_peak_bytes")
+
+# How far up a forward without offload looks for torch.compile (see _OffloadingForward):
+# far enough for torch.compile(model) called directly (the wrapper, dynamo's disable frame,
+# the module's call frames, dynamo's compile frame, the OptimizedModule's call frame).
+# A compile further up (of a wrapper around the model) is found by the first training
+# forward, which looks 24 frames up.
+_NEAR_FRAMES = 8
 
 _HF_OFFLOAD_CHECKPOINT = "gradient_checkpointing_enable.<locals>.checkpoint_func"
 
@@ -189,13 +205,22 @@ class OffloadHandle:
         self._saved_hooks: Dict[nn.Module, list] = {}
         # Each wrapped module's own forward attribute (_MISSING: the class's), outermost first.
         self._saved_forwards: Dict[nn.Module, Any] = {}
-        self._patched: set = set()
+        # The modules whose checkpoint function this installation owns, with their __dict__
+        # (read at every training forward: see _own_checkpoint_funcs), and the wrapper each
+        # got from it last.
+        self._owned: List[tuple] = []
+        self._wrapped: Dict[nn.Module, "_OffloadingCheckpoint"] = {}
+        self._last_wrapper: Optional[_OffloadingCheckpoint] = None
+        self._notes: set = set()  # notes on replaced functions, warned once each
+        # The input embeddings' forward hook ids at install (see disable()).
+        self._hooks_before: Dict[nn.Module, set] = {}
         self._turned_on = False
         self._warned_layers: set = set()
         self._embeddings = _input_embeddings(model)
         # (embedding module, hook id) -> the require-grads hook function swapped out.
         self._swapped_hooks: Dict[tuple, Callable] = {}
         self._installed = False
+        self._looking = False  # a forward without offload is looking for a torch.compile
         self.regions: Optional[CompiledRegions] = None
         self._step_open = False
         self._latest: Dict[str, float] = {key: 0 for key in STAT_KEYS}
@@ -223,20 +248,14 @@ class OffloadHandle:
 
     def _install(self) -> None:
         self._save_checkpointing_attrs()
+        self._hooks_before = {module: set(module._forward_hooks) for module in self._embeddings}
         if not any(layer.gradient_checkpointing for layer in self._layers):
             self._turn_on_checkpointing()
             self._turned_on = True
-        notes = []
-        for module in self.model.modules():
-            original = module.__dict__.get("_gradient_checkpointing_func", _MISSING)
-            if original is _MISSING:
-                continue
-            options, module_notes = _checkpoint_options(original)
-            notes.extend(n for n in module_notes if n not in notes)
-            module._gradient_checkpointing_func = _OffloadingCheckpoint(self, options, original)
-            self._patched.add(module)
-        if notes:
-            warnings.warn("ckpt_offload.hf: " + "; ".join(notes), UserWarning, stacklevel=4)
+        owned = [module for module in self.model.modules()
+                 if module in self._saved_attrs or _FUNC in module.__dict__]
+        self._owned = [(module, module.__dict__) for module in owned]
+        self._own_checkpoint_funcs(stacklevel=5)
         self._wrap_forward()
         self._swap_require_grads_hooks()
         self._installed = True
@@ -263,6 +282,47 @@ class OffloadHandle:
             "ckpt_offload.hf: gradient checkpointing was off; turned it on (non-reentrant) "
             "for %d layers, since activation offload moves the checkpointed layers' inputs",
             len(self._layers))
+
+    def _own_checkpoint_funcs(self, stacklevel: int = 4) -> None:
+        """Wraps every owned module's checkpoint function that is not this installation's
+        wrapper: at install, and at the start of every training forward, so that a
+        function set while installed (gradient_checkpointing_disable/enable around a
+        reference or generation forward, every_n_layers, a plain assignment) is offloaded
+        through ckpt_offload's checkpoint, prefetch included, from the next step on. The
+        function found is the user's latest: the wrapper remembers it, and disable() puts
+        it back. A few dictionary reads per layer and step when nothing changed."""
+        for module, attrs in self._owned:
+            current = attrs.get(_FUNC, _MISSING)
+            if current is _MISSING or current is self._wrapped.get(module):
+                continue
+            wrapper = self._wrapper_for(current, stacklevel + 1)
+            setattr(module, _FUNC, wrapper)  # through the module's own __setattr__
+            self._wrapped[module] = wrapper
+
+    def _wrapper_for(self, function: Any, stacklevel: int) -> "_OffloadingCheckpoint":
+        """The wrapper of `function` (one per function: transformers sets the same one on
+        every layer), warning once per note on what the replacement changes."""
+        if isinstance(function, _OffloadingCheckpoint):
+            function = function.original  # another installation's, left on a copied layer
+        wrapper = self._last_wrapper
+        if wrapper is not None and wrapper.original is function:
+            return wrapper
+        options, notes = _checkpoint_options(function)
+        new = [note for note in notes if note not in self._notes]
+        if new:
+            self._notes.update(new)
+            warnings.warn("ckpt_offload.hf: " + "; ".join(new), UserWarning,
+                          stacklevel=stacklevel)
+        self._last_wrapper = _OffloadingCheckpoint(self, options, function)
+        return self._last_wrapper
+
+    def _restore_checkpoint_funcs(self) -> None:
+        """Each owned module's checkpoint function back to the user's latest: the function
+        its wrapper replaced, or the one set since the last training forward."""
+        for module, attrs in self._owned:
+            current = attrs.get(_FUNC, _MISSING)
+            if current is not _MISSING and current is self._wrapped.get(module):
+                attrs[_FUNC] = current.original
 
     def _swap_require_grads_hooks(self) -> None:
         """Replaces enable_input_require_grads' hooks (also ones registered since the last
@@ -331,24 +391,34 @@ class OffloadHandle:
                     module.forward = saved
         self._saved_forwards.clear()
         self._restore_require_grads_hooks()
-        for module, saved in self._saved_attrs.items():
-            current = module.__dict__.get("_gradient_checkpointing_func")
-            if module in self._patched:
-                if not (isinstance(current, _OffloadingCheckpoint) and current.handle is self):
-                    continue  # replaced since (gradient_checkpointing_enable again): keep it
-            elif not self._turned_on:
-                continue  # untouched by this installation
-            for hook in module.__dict__.get("_require_grads_hooks") or []:
-                if hook not in self._saved_hooks[module]:
-                    hook.remove()
-            for name, value in saved.items():
-                if value is _MISSING:
-                    module.__dict__.pop(name, None)
-                else:
-                    module.__dict__[name] = value
+        self._restore_checkpoint_funcs()
+        if self._turned_on:
+            # Checkpointing was off: off again, also after toggles while installed (a
+            # trainer's helper re-enabling it is not the user turning it on).
+            for module, saved in self._saved_attrs.items():
+                for hook in module.__dict__.get("_require_grads_hooks") or []:
+                    if hook not in self._saved_hooks[module]:
+                        hook.remove()
+                for name, value in saved.items():
+                    if value is _MISSING:
+                        module.__dict__.pop(name, None)
+                    else:
+                        module.__dict__[name] = value
+            # Each gradient_checkpointing_enable registers another require-grads hook
+            # (gradient_checkpointing_disable leaves them): those of the toggles go too.
+            for module, before in self._hooks_before.items():
+                for hook_id, hook in list(module._forward_hooks.items()):
+                    if (hook_id not in before
+                            and getattr(hook, "__name__", "") in _REQUIRE_GRADS_HOOK_NAMES):
+                        for hooks in (module._forward_hooks, module._forward_hooks_with_kwargs,
+                                      module._forward_hooks_always_called):
+                            hooks.pop(hook_id, None)
+        self._hooks_before = {}
         self._saved_attrs.clear()
         self._saved_hooks.clear()
-        self._patched.clear()
+        self._owned = []
+        self._wrapped.clear()
+        self._last_wrapper = None
         self._turned_on = False
         self._installed = False
 
@@ -382,10 +452,11 @@ class OffloadHandle:
         self._defer_prefetch = False
         self.engine.set_prefetch_on_acquire(True)
 
-    def _compile_like_enclosing(self) -> None:
+    def _compile_like_enclosing(self, max_frames: int = 24) -> None:
         """Under torch.compile(model): compiles this model's regions with that compile's
-        backend, mode and options, once, and says so once."""
-        optimized = enclosing_compiled_module()
+        backend, mode and options, once, and says so once. `max_frames`: how far up the
+        stack the compiled module is looked for."""
+        optimized = enclosing_compiled_module(max_frames)
         if optimized is None:
             return
         backend = backend_of(optimized)
@@ -613,6 +684,10 @@ class _OffloadingCheckpoint:
         return _deepcopy_reduced(self, memo)
 
     def __call__(self, function: Callable, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            # Nothing is saved (no_grad, inference mode: a reference or old-policy forward,
+            # generation in training mode): the user's function, as without ckpt_offload.
+            return self.original(function, *args, **kwargs)
         layer = _layer_of(function)
         function, args = _hidden_states_as_positional(function, args)
         tensors = [a for a in args
@@ -761,15 +836,31 @@ class _OffloadingForward:
     @torch._dynamo.disable
     def __call__(self, *args, **kwargs):
         handle = self.handle
+        # Only training forwards are engine steps: without grad (no_grad, inference mode)
+        # nothing is saved, and in eval mode GradientCheckpointingLayer does not
+        # checkpoint. Those (generation's decode steps, evaluation, a reference model's
+        # forward) run the original forward and nothing else; before the first training
+        # forward, the outermost level also looks for torch.compile(model) around it, so
+        # that an evaluation or generation under it runs the compiled regions. (Later, a
+        # training forward finds it.)
+        if not (torch.is_grad_enabled() and self.module.training):
+            if handle._micro_steps or handle.regions is not None or handle._looking:
+                return self.original(*args, **kwargs)
+            handle._looking = True
+            try:
+                handle._compile_like_enclosing(_NEAR_FRAMES)
+                return self.original(*args, **kwargs)
+            finally:
+                handle._looking = False
+        engine = ckpt_offload.current_engine()
+        if engine is handle.engine:
+            return self.original(*args, **kwargs)  # inside an outer level's step
         if handle.regions is None:
             handle._compile_like_enclosing()
-        # Only training forwards are engine steps: without grad nothing is saved, and in
-        # eval mode GradientCheckpointingLayer does not checkpoint. A context the user
-        # entered around the call is theirs to keep.
-        if not (torch.is_grad_enabled() and self.module.training) or (
-                ckpt_offload.current_engine() is not None):
-            return self.original(*args, **kwargs)
+        if engine is not None:
+            return self.original(*args, **kwargs)  # a context the user entered: theirs
         handle._begin_step(_token_count(args, kwargs))
+        handle._own_checkpoint_funcs()
         handle._swap_require_grads_hooks()
         profile = handle._peak.begin_step(handle._micro_steps)
         if profile is None:
