@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 import ckpt_offload
 from ckpt_offload.hf import enable_activation_offload
@@ -543,7 +544,7 @@ def test_layers_without_an_mlp_prefetch_as_their_recompute_begins():
     model = checkpointed_llama()
     for layer in model.model.layers:
         layer._modules["feed_forward"] = layer._modules.pop("mlp")  # a family naming it so
-        layer.forward = functools.partial(_forward_with_feed_forward, layer)
+        layer.__class__ = FeedForwardDecoderLayer
     reference = copy.deepcopy(model)
     handle = enable_activation_offload(model, keep_last=1, offload_head=False, **HOST)
     loss = model(**batch()).loss
@@ -556,12 +557,17 @@ def test_layers_without_an_mlp_prefetch_as_their_recompute_begins():
     handle.disable()
 
 
-def _forward_with_feed_forward(layer, hidden_states, *args, **kwargs):
-    layer.mlp = layer.feed_forward
-    try:
-        return type(layer).forward(layer, hidden_states, *args, **kwargs)
-    finally:
-        del layer.mlp
+class FeedForwardDecoderLayer(LlamaDecoderLayer):
+    """A Llama layer whose MLP is called `feed_forward`: no `mlp` module when checkpoint is
+    called (transformers checkpoints either __call__ or forward, by release), one only for
+    the duration of each (re)computation."""
+
+    def forward(self, hidden_states, *args, **kwargs):
+        self.mlp = self.feed_forward
+        try:
+            return super().forward(hidden_states, *args, **kwargs)
+        finally:
+            del self.mlp
 
 
 # Gradient checkpointing toggled while installed (TRL's disable_gradient_checkpointing()

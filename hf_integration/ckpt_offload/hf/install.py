@@ -93,7 +93,7 @@ STEP_PEAKS = ("peak_device_held_bytes", "host_peak_bytes")
 # forward, which looks 24 frames up.
 _NEAR_FRAMES = 8
 
-_HF_OFFLOAD_CHECKPOINT = "gradient_checkpointing_enable.<locals>.checkpoint_func"
+_HF_OFFLOAD_MODULE = "transformers.modeling_utils"
 
 # Names of the forward hooks that transformers' enable_input_require_grads and peft's
 # fallbacks register on the input embeddings: `output.requires_grad_(True)`.
@@ -724,8 +724,14 @@ class _OffloadingCheckpoint:
 
 
 def _layer_of(function: Callable) -> Optional[nn.Module]:
-    """The module whose bound call a checkpointed function is (a partial of it), or None."""
-    return getattr(getattr(function, "func", function), "__self__", None)
+    """The module a checkpointed function runs, or None. GradientCheckpointingLayer
+    checkpoints `partial(super().__call__, **kwargs)` (a bound call: its __self__) up to
+    transformers 5.2x, and `partial(forward, self, **kwargs)` (the module first among the
+    partial's arguments) in later releases."""
+    layer = getattr(getattr(function, "func", function), "__self__", None)
+    if layer is None and isinstance(function, functools.partial) and function.args:
+        layer = function.args[0]
+    return layer if isinstance(layer, nn.Module) else None
 
 
 class _PrefetchAfterMlp:
@@ -814,7 +820,13 @@ def _checkpoint_options(original: Any):
 
 
 def _is_hf_offload(function: Any) -> bool:
-    return getattr(function, "__qualname__", "").endswith(_HF_OFFLOAD_CHECKPOINT)
+    """transformers' own offloading checkpoint (gradient checkpointing with offload=True):
+    a local `checkpoint_func` of transformers.modeling_utils that enters save_on_cpu. Its
+    enclosing function has been renamed between releases; what it does has not."""
+    code = getattr(function, "__code__", None)
+    return (getattr(function, "__module__", None) == _HF_OFFLOAD_MODULE
+            and getattr(function, "__name__", None) == "checkpoint_func"
+            and code is not None and "save_on_cpu" in code.co_names)
 
 
 class _OffloadingForward:
