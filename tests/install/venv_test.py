@@ -7,6 +7,7 @@ import sys
 from importlib import metadata
 
 import torch
+from packaging.requirements import Requirement
 
 import ckpt_offload
 from ckpt_offload import versions
@@ -39,8 +40,12 @@ def test_metadata_names_the_license_and_the_tested_torch():
     meta = metadata.metadata("ckpt_offload")
     assert meta["Version"] == ckpt_offload.__version__
     assert "Apache-2.0" in (meta.get("License-Expression") or meta.get("License") or "")
-    assert any(f.endswith("LICENSE") for f in (metadata.files("ckpt_offload") or ())
-               if "dist-info" in str(f) or "licenses" in str(f))
-    requires = metadata.requires("ckpt_offload") or []
-    assert versions.torch_requirement().replace(" ", "") in [r.replace(" ", "") for r in requires]
+    shipped = [str(f) for f in metadata.files("ckpt_offload") or ()]
+    assert any(f.endswith("LICENSE") and ".dist-info" in f for f in shipped), shipped
+    requires = [Requirement(r) for r in metadata.requires("ckpt_offload") or []]
+    torch_requirement = Requirement(versions.torch_requirement())
+    assert any(r.name == "torch" and r.specifier == torch_requirement.specifier and not r.marker
+               for r in requires), requires
+    extras = {str(r.marker).split('"')[1] for r in requires if r.marker}
+    assert extras == set(versions.EXTRAS), extras
     assert meta["Requires-Python"] == versions.python_requirement()
