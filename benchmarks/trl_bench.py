@@ -41,7 +41,6 @@ smoke run of the harness on a machine without a GPU.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import gc
 import json
@@ -49,7 +48,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
 

@@ -1,9 +1,10 @@
 """ckpt_offload.axolotl.ActivationOffloadPlugin with the real axolotl (0.21.0, CPU, offline).
 
 Runs in the environment `pip install axolotl==0.21.0` makes by itself (scripts/pip_venv.sh),
-with ckpt_offload built there by pip, through tests/venv_pytest.sh: plugin loading through axolotl's PluginManager, the config keys it adds to axolotl's schema
-and their validation, how each activation_offloading mode is handled, and `axolotl train`
-end to end on a tiny local model and dataset.
+with ckpt_offload built there by pip, through tests/venv_pytest.sh: plugin loading through
+axolotl's PluginManager, the config keys it adds to axolotl's schema and their validation,
+how each activation_offloading mode is handled, and `axolotl train` end to end on a tiny
+local model and dataset.
 """
 
 import ast

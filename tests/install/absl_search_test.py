@@ -156,7 +156,8 @@ def test_a_prefix_without_abseil_is_an_error_naming_it(tmp_path):
 def test_pip_wheel_stops_before_compiling_when_abseil_is_missing(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("setup.py", "pyproject.toml", "sources.bzl", "torch_plugin/ckpt_offload/versions.py"):
+    for name in ("setup.py", "pyproject.toml", "sources.bzl",
+                 "torch_plugin/ckpt_offload/versions.py"):
         (src / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, src / name)
     env = clean_env(tmp_path, "pkg-config")
