@@ -2,6 +2,7 @@
 what moves, how it comes back and what happens on errors."""
 
 import gc
+import warnings
 
 import pytest
 import torch
@@ -412,3 +413,18 @@ def test_round_trip_over_shapes_strides_offsets_dtypes(shape, dtype, offset, per
     assert restored.stride() == view.stride()
     assert restored.dtype == view.dtype
     assert torch.equal(restored, view)
+
+
+def test_torch_checkpoint_called_directly_inside_the_context_is_offloaded():
+    """torch.utils.checkpoint's own non-reentrant checkpoint saves its inputs through a
+    private hook point that moved in torch 2.12; on every tested torch they are tagged."""
+    model = make_mlp_stack(layers=3, hidden=32)
+    x = torch.randn(4, 16, 32)
+    reference = run_step(model, x, plain_ckpt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run_step(model, x, plain_ckpt, dict(keep_last=0, offload_head=False, **HOST))
+    assert not [w for w in caught if "not offloaded" in str(w.message)], caught
+    assert_same(reference, got)
+    stats = got[2].stats()
+    assert stats["offloaded_tensors"] == stats["restored_tensors"] == 3

@@ -16,7 +16,7 @@ import inspect
 import sys
 import threading
 import warnings
-from typing import Dict, Optional, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 import torch.utils.checkpoint
@@ -273,16 +273,20 @@ def checkpoint(function, *args, **kwargs):
 
 
 # torch's own non-reentrant checkpoint (torch.utils.checkpoint.checkpoint(use_reentrant=False),
-# checkpoint_wrapper, a model's gradient checkpointing) saves a layer's inputs through
-# _NoopSaveInputs.apply(dummy, kwargs, *args), whose saves autograd packs before apply
-# returns. Inside an offload context those are checkpoint inputs like any other: they are
-# tagged as one group, unless ckpt_offload already tagged this call.
+# checkpoint_wrapper, a model's gradient checkpointing) saves a layer's inputs at one point,
+# where autograd packs them before the call returns: _CheckpointFrame.save_inputs(*args)
+# from torch 2.12, _NoopSaveInputs.apply(dummy, kwargs, *args) before. Inside an offload
+# context those are checkpoint inputs like any other: they are tagged as one group, unless
+# ckpt_offload already tagged this call. Each hook point: (owner, attribute, how the stored
+# attribute is called, the layer's positional arguments among the call's).
+_CHECKPOINT_FRAME = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
 _NOOP_SAVE_INPUTS = getattr(torch.utils.checkpoint, "_NoopSaveInputs", None)
-_ORIGINAL_APPLY = None  # Function.apply, as _NoopSaveInputs had it
 _TAGGING_UNAVAILABLE = (
-    "ckpt_offload: this torch has no torch.utils.checkpoint._NoopSaveInputs, so inputs of "
+    "ckpt_offload: this torch saves torch.utils.checkpoint's inputs neither through "
+    "_CheckpointFrame.save_inputs nor _NoopSaveInputs.apply, so inputs of "
     "torch.utils.checkpoint calls made directly (not through ckpt_offload.checkpoint, "
     "mark_checkpoint_inputs or ckpt_offload.hf) are not offloaded")
+_tagging_installed = False
 
 
 def _tagging_engine() -> Optional[OffloadEngine]:
@@ -301,23 +305,31 @@ def _tagging_engine() -> Optional[OffloadEngine]:
     return engine
 
 
-def _tagging_apply(cls, *args, **kwargs):
-    engine = _tagging_engine()
-    if engine is None:
-        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
-    # args: (dummy, kwargs, *layer_args); the layer's positional tensors are its inputs.
-    with engine.group(_taggable(args[2:])):
-        return _ORIGINAL_APPLY.__func__(cls, *args, **kwargs)
+def _tagging(original: Callable, first_layer_arg: int) -> Callable:
+    """`original(owner, *args)` with args[first_layer_arg:] (the layer's positional
+    arguments) tagged as one checkpoint group when an engine should tag them."""
+
+    def tagging(owner, *args, **kwargs):
+        engine = _tagging_engine()
+        if engine is None:
+            return original(owner, *args, **kwargs)
+        with engine.group(_taggable(args[first_layer_arg:])):
+            return original(owner, *args, **kwargs)
+
+    return tagging
 
 
 def _install_checkpoint_tagging() -> None:
-    global _ORIGINAL_APPLY
-    if _ORIGINAL_APPLY is not None:
+    global _tagging_installed
+    if _tagging_installed:
         return
-    original = inspect.getattr_static(_NOOP_SAVE_INPUTS, "apply", None)
-    if not isinstance(original, classmethod):
-        _ORIGINAL_APPLY = False  # warned once; checked no more
-        warnings.warn(_TAGGING_UNAVAILABLE, UserWarning, stacklevel=3)
+    _tagging_installed = True
+    save_inputs = inspect.getattr_static(_CHECKPOINT_FRAME, "save_inputs", None)
+    if inspect.isfunction(save_inputs):  # torch 2.12+: frame.save_inputs(*args)
+        _CHECKPOINT_FRAME.save_inputs = _tagging(save_inputs, 0)
         return
-    _ORIGINAL_APPLY = original
-    _NOOP_SAVE_INPUTS.apply = classmethod(_tagging_apply)
+    apply = inspect.getattr_static(_NOOP_SAVE_INPUTS, "apply", None)
+    if isinstance(apply, classmethod):  # up to torch 2.11: apply(dummy, kwargs, *args)
+        _NOOP_SAVE_INPUTS.apply = classmethod(_tagging(apply.__func__, 2))
+        return
+    warnings.warn(_TAGGING_UNAVAILABLE, UserWarning, stacklevel=3)
