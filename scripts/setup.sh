@@ -45,18 +45,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# Python 3.12 for the pip-made venvs (Axolotl 0.21 needs it): on PATH, else pyenv's.
-python312=""
-for candidate in python3.12 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.12*/bin/python3.12; do
-  if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-    python312="$(command -v "$candidate")"
-    break
-  fi
-done
-if [ -z "$python312" ]; then
-  echo "setup: no Python 3.12 found (python3.12 on PATH or under pyenv); install one" >&2
-  exit 1
-fi
+# Python 3.12 for the pip-made venvs (Axolotl 0.21 needs it).
+source "$ROOT/scripts/find_python.sh"
+python312="$(find_python 3.12)"
 CACHE="${CKPT_OFFLOAD_CACHE:-$HOME/.cache/ckpt_offload}"
 bash "$ROOT/scripts/pip_venv.sh" "$CACHE/newest-venv" "$python312" "$ROOT/requirements/newest-lock.txt"
 bash "$ROOT/scripts/pip_venv.sh" "$CACHE/axolotl-venv" "$python312" "$ROOT/requirements/axolotl-lock.txt"

@@ -17,16 +17,7 @@ ROWS=(2.11.0==3.10 2.12.0==3.11 2.13.0==3.12 2.14.1==3.12 2.15.0==3.12)
 # The Hugging Face releases of the project's lock, for every row.
 HF_PINS=$(grep -E '^(transformers|peft|accelerate|tokenizers|safetensors)==' "$ROOT/requirements/lock.txt")
 
-find_python() {
-  for candidate in "python$1" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/"$1".*/bin/"python$1"; do
-    if "$candidate" -c "import sys; assert '%d.%d' % sys.version_info[:2] == '$1'" 2>/dev/null; then
-      command -v "$candidate"
-      return
-    fi
-  done
-  echo "torch_matrix: no Python $1 found" >&2
-  return 1
-}
+source "$ROOT/scripts/find_python.sh"
 
 TESTS=(
   "$ROOT/tests/install/venv_test.py"

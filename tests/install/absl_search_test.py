@@ -1,7 +1,6 @@
 """setup.py finds abseil where users have it and links what that layout reports; with none,
 the build stops before compiling and says what to install."""
 
-import importlib.util
 import os
 import pathlib
 import shutil
@@ -10,16 +9,10 @@ import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from setup_loader import copy_build_files, load_setup
+
 SYSTEM_PC_DIR = pathlib.Path("/usr/lib/x86_64-linux-gnu/pkgconfig")
 REQUIRED_LIBS = {"absl_status", "absl_statusor", "absl_strings", "absl_str_format_internal"}
-
-
-def load_setup():
-    spec = importlib.util.spec_from_file_location("ckpt_offload_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 setup = load_setup()
@@ -155,11 +148,7 @@ def test_a_prefix_without_abseil_is_an_error_naming_it(tmp_path):
 
 def test_pip_wheel_stops_before_compiling_when_abseil_is_missing(tmp_path):
     src = tmp_path / "src"
-    src.mkdir()
-    for name in ("setup.py", "pyproject.toml", "sources.bzl",
-                 "torch_plugin/ckpt_offload/versions.py"):
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / name, src / name)
+    copy_build_files(src)
     env = clean_env(tmp_path, "pkg-config")
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation",
                              "--no-deps", "--no-index", "-w", str(tmp_path / "wheels"), str(src)],

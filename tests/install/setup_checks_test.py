@@ -2,25 +2,13 @@
 fresh Python 3.11 venv's), no importable torch (pip's build isolation hides it), and a torch
 that build isolation brought in instead of the user's. Each stops with the command to run."""
 
-import importlib.util
-import pathlib
-import shutil
 import subprocess
 import sys
 import types
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-BUILD_FILES = ("setup.py", "pyproject.toml", "sources.bzl", "torch_plugin/ckpt_offload/versions.py")
-
-
-def load_setup():
-    spec = importlib.util.spec_from_file_location("ckpt_offload_setup", ROOT / "setup.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from setup_loader import copy_build_files, load_setup
 
 setup = load_setup()
 
@@ -48,9 +36,7 @@ def test_fresh_python_venv_stops_with_the_setuptools_command(tmp_path):
     if tuple(int(p) for p in have.split(".")[:2]) >= setup.SETUPTOOLS_FOR_WHEELS:
         pytest.skip(f"this Python's venv brings setuptools {have}, which builds wheels")
     src = tmp_path / "src"
-    for name in BUILD_FILES:
-        (src / name).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(ROOT / name, src / name)
+    copy_build_files(src)
     result = subprocess.run([python, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
                              "--no-index", "-w", str(tmp_path / "wheels"), str(src)],
                             capture_output=True, text=True, timeout=300)
