@@ -13,7 +13,8 @@ from ckpt_offload.hf.arguments import ARGUMENT_FOR_FIELD
 
 # A valid value other than the default for every OffloadConfig field.
 NON_DEFAULT = dict(keep_last=3, prefetch_depth=2, min_offload_bytes=7, host_memory_limit="3GiB",
-                   backend="host", scope="all", max_inflight_d2h_groups=4, offload_head=False)
+                   backend="host", scope="all", max_inflight_d2h_groups=4, offload_head=False,
+                   memory_budget="40GiB")
 
 # The documented argument names (hf_integration/README.md).
 DOCUMENTED_ARGUMENTS = {
@@ -21,6 +22,7 @@ DOCUMENTED_ARGUMENTS = {
     "min_offload_bytes": "offload_min_bytes", "host_memory_limit": "offload_host_memory_limit",
     "backend": "offload_backend", "scope": "offload_scope",
     "max_inflight_d2h_groups": "offload_max_inflight_d2h_groups", "offload_head": "offload_head",
+    "memory_budget": "offload_memory_budget",
 }
 
 

@@ -132,6 +132,8 @@ def test_schema_accepts_the_plugin_keys(assets, tmp_path):
     ("ckpt_offload_min_offload_bytes", -1),
     ("ckpt_offload_backend", "tpu"),
     ("ckpt_offload_head", "sometimes"),
+    ("ckpt_offload_memory_budget", "most of it"),
+    ("ckpt_offload_memory_budget", 1.5),
 ])
 def test_schema_rejects_bad_values_naming_the_key(assets, tmp_path, key, value):
     with pytest.raises(ValueError, match=key):
@@ -149,7 +151,8 @@ def test_args_model_on_its_own():
 
 # A valid value other than the default for every OffloadConfig field.
 NON_DEFAULT = dict(keep_last=3, prefetch_depth=2, min_offload_bytes=7, host_memory_limit="3GiB",
-                   backend="host", scope="all", max_inflight_d2h_groups=4, offload_head=False)
+                   backend="host", scope="all", max_inflight_d2h_groups=4, offload_head=False,
+                   memory_budget="auto")
 
 # The documented keys (README.md, hf_integration/README.md).
 DOCUMENTED_KEYS = {
@@ -159,6 +162,7 @@ DOCUMENTED_KEYS = {
     "ckpt_offload_backend": "backend", "ckpt_offload_scope": "scope",
     "ckpt_offload_max_inflight_d2h_groups": "max_inflight_d2h_groups",
     "ckpt_offload_head": "offload_head",
+    "ckpt_offload_memory_budget": "memory_budget",
 }
 
 

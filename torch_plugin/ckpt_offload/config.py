@@ -24,6 +24,11 @@ INT64_MAX = 2**63 - 1
 _UINT64_MAX = 2**64 - 1
 
 HostMemoryLimit = Union[None, int, float, str]
+MemoryBudget = Union[None, int, float, str]
+
+# memory_budget="auto": the device memory this process may use, less this share of it for
+# what the plan cannot see (the allocator's fragmentation, a CUDA context growing).
+AUTO_BUDGET_MARGIN = 0.05
 
 
 def total_host_memory_bytes() -> int:
@@ -101,6 +106,37 @@ def parse_host_memory_limit(value: HostMemoryLimit, field: str = "host_memory_li
     raise ValueError(f"{field}: unsupported type {type(value).__name__} ({value!r}); {accepted}")
 
 
+def parse_memory_budget(value: MemoryBudget, device_bytes: Optional[int] = None,
+                        field: str = "memory_budget") -> Optional[int]:
+    """Bytes of device memory a step may use for `value`: None (no budget), "auto" (the
+    device's memory as this process may use it, less AUTO_BUDGET_MARGIN), bytes, a size
+    string ("40GiB"), or a fraction of the device in (0, 1]. `device_bytes` (the memory this
+    process may use on the device) is needed for "auto" and fractions; without it they are
+    only checked and None is returned."""
+    accepted = ("accepted: None, 'auto', an int of bytes, a size string like '40GiB', or a "
+                "fraction of the device's memory in (0, 1] like 0.5")
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        if device_bytes is None:
+            return None
+        return int(device_bytes * (1.0 - AUTO_BUDGET_MARGIN))
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{field}: unsupported value {value!r}; {accepted}")
+    if isinstance(value, float):
+        if not 0.0 < value <= 1.0:
+            raise ValueError(f"{field}: a fraction must be in (0, 1], got {value}; {accepted}")
+        return None if device_bytes is None else int(device_bytes * value)
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match and match.group(2) == "" and "." in match.group(1):
+            return parse_memory_budget(float(match.group(1)), device_bytes, field)
+    try:
+        return parse_host_memory_limit(value, field)
+    except ValueError as error:
+        raise ValueError(str(error).split("; accepted")[0] + f"; {accepted}") from None
+
+
 def check_int(name: str, value, minimum: int, maximum: int = _INT_MAX) -> None:
     """Raises ValueError naming `name` unless `value` is an int (not a bool) in range."""
     accepted = f"accepted: an int from {minimum} to {maximum}"
@@ -150,6 +186,13 @@ class OffloadConfig:
               "out once a later large tensor is saved, brought back when backward reaches "
               "that tensor (the LM head's backward), ahead of their own use.")
 
+    memory_budget: MemoryBudget = _setting(
+        None, "Device memory a training step may use: 'auto' (what the device lets this "
+              "process use, less 5 %), bytes, a size such as '40GiB', or a fraction of the "
+              "device such as 0.8. Layers that fit run without checkpointing, the fastest "
+              "first; the rest are checkpointed with their inputs offloaded. Unset: every "
+              "layer is checkpointed (Hugging Face models only).", native=False)
+
     def __post_init__(self):
         if not isinstance(self.offload_head, bool):
             raise ValueError(f"offload_head: must be True or False, got {self.offload_head!r}")
@@ -162,12 +205,18 @@ class OffloadConfig:
         if not isinstance(self.scope, str) or self.scope not in SCOPES:
             raise ValueError(f"scope: must be one of {SCOPES}, got {self.scope!r}")
         parse_host_memory_limit(self.host_memory_limit)
+        parse_memory_budget(self.memory_budget)
 
     @classmethod
     def field_help(cls) -> str:
         """One line per field: name, default and help text."""
         return "\n".join(f"{f.name} (default {f.default!r}): {f.metadata['help']}"
                          for f in dataclasses.fields(cls))
+
+    @classmethod
+    def engine_fields(cls) -> tuple:
+        """The fields the native engine takes (the others are read in Python)."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("native", True))
 
     def host_memory_limit_bytes(self) -> int:
         return parse_host_memory_limit(self.host_memory_limit)

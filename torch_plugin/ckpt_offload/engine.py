@@ -11,7 +11,6 @@ threads training two models are two independent offloads.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import sys
 import threading
@@ -48,9 +47,9 @@ _THREAD = _ThreadState()
 
 
 def _native_settings(config: OffloadConfig, backend: str, limit: int) -> Dict[str, object]:
-    """_C.Offloader's keyword arguments: every OffloadConfig field, in field order, with the
+    """_C.Offloader's keyword arguments: OffloadConfig's engine fields, in field order, with the
     backend resolved and the host limit in bytes."""
-    settings = {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
+    settings = {name: getattr(config, name) for name in config.engine_fields()}
     settings.update(backend=backend, host_memory_limit=limit)
     return settings
 

@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from ckpt_offload import OffloadConfig
-from ckpt_offload.config import parse_host_memory_limit
 
 
 def argument_name(field_name: str) -> str:
@@ -83,7 +82,7 @@ OffloadArguments = dataclasses.make_dataclass(
 
 def _normalize_text(value: Union[None, int, float, str], argument: str):
     """A YAML file gives numbers as numbers, the command line as strings: keep numbers,
-    read "0.5" as a fraction and "25769803776" as bytes, and check the rest."""
+    read "0.5" as a fraction and "25769803776" as bytes, and leave the rest as text."""
     if value is None or isinstance(value, (int, float)) and not isinstance(value, bool):
         return value
     if isinstance(value, str):
@@ -94,8 +93,7 @@ def _normalize_text(value: Union[None, int, float, str], argument: str):
             return float(text)
         except ValueError:
             pass
-    parse_host_memory_limit(value, field=argument)
-    return value
+    return value  # a size or a word: checked by OffloadConfig (to_config names the argument)
 
 
 def _rename_field(message: str) -> str:

@@ -39,6 +39,23 @@ PEAK_FIGURES = {
     "offload/peak_offload_removed_gib": "offload_removed_bytes",
 }
 
+# on_log keys of a memory budget's plan (the latest planned micro-step), and their stats().
+BUDGET_FIGURES = {
+    "offload/budget_resident_layers": ("budget_resident_layers", 1),
+    "offload/budget_checkpointed_layers": ("budget_checkpointed_layers", 1),
+    "offload/budget_predicted_peak_gib": ("budget_predicted_peak_bytes", GIB),
+    "offload/budget_measured_peak_gib": ("budget_measured_peak_bytes", GIB),
+    "offload/budget_predicted_saved_ms": ("budget_predicted_saved_ms", 1),
+}
+
+
+def budget_figures(stats: Dict[str, float]) -> Dict[str, float]:
+    """on_log figures of OffloadHandle.budget_stats() (none without a budget)."""
+    if not stats:
+        return {}
+    return {key: stats[name] / scale for key, (name, scale) in BUDGET_FIGURES.items()}
+
+
 # How far up the call stack the Trainer is looked for (it is a few frames above a callback).
 _MAX_FRAMES = 64
 
@@ -91,6 +108,7 @@ class ActivationOffloadCallback(TrainerCallback):
         self.log = logger if logger is not None else logging.getLogger("ckpt_offload.hf")
         self.peak_breakdown: Optional[Dict[str, Any]] = None  # the latest one reported
         self._peak_figures: Optional[Dict[str, float]] = None  # for the next on_log
+        self._advised = False  # the memory-budget advice was logged
         self.handle: Optional[OffloadHandle] = None
         self.final_totals: Optional[Dict[str, float]] = None
         self._logged_totals: Optional[Dict[str, float]] = None
@@ -126,10 +144,11 @@ class ActivationOffloadCallback(TrainerCallback):
             raise ValueError("ActivationOffloadCallback: the Trainer passed no model")
         self.handle = OffloadHandle(model, self.config, owner=self, replace=self._is_stale)
         self.peak_breakdown = self._peak_figures = None
+        self._advised = False
         if not getattr(args, "skip_memory_metrics", True):
             # The profiled step resets the allocator's peak counter, which the Trainer's
             # memory metrics read.
-            self.handle._peak.cancel()
+            self.handle._peak.withhold()
             self.log.info("ckpt_offload.hf: skip_memory_metrics=False, so the step's peak is "
                           "not broken down (that would reset the peak counter the Trainer's "
                           "memory metrics read)")
@@ -167,6 +186,12 @@ class ActivationOffloadCallback(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         self._report_peak(state)
+        if self.handle is not None and not self._advised:
+            advice = self.handle.budget_advice()
+            if advice is not None:
+                self._advised = True
+                if state.is_world_process_zero:
+                    self.log.info("ckpt_offload.hf: %s", advice)
 
     def _report_peak(self, state) -> None:
         """Logs a breakdown not reported yet (one per run, unless profile_next_step()) and
@@ -188,6 +213,7 @@ class ActivationOffloadCallback(TrainerCallback):
         if totals["micro_steps"] == self._logged_totals["micro_steps"]:
             return  # no training step since the last log: an evaluation or the summary
         figures = self._figures(totals, steps=max(1, state.global_step - self._logged_step))
+        figures.update(budget_figures(self.handle.budget_stats()))
         self._report_peak(state)
         if self._peak_figures is not None:
             figures.update(self._peak_figures)

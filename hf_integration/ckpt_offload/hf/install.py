@@ -54,9 +54,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import ckpt_offload
 from ckpt_offload import STAT_KEYS, OffloadConfig
+from ckpt_offload.budget import RESIDENT
 from ckpt_offload.config import INT64_MAX, check_int, make_config
 from ckpt_offload.hf.compile import (
     CompiledRegions, backend_of, enclosing_compiled_module, tell_once)
+from ckpt_offload.hf.layer_budget import LayerBudget
 from ckpt_offload.hf.peak import STAT_KEYS as PEAK_STAT_KEYS
 from ckpt_offload.hf.peak import PeakTracker
 
@@ -231,6 +233,8 @@ class OffloadHandle:
         self._reserve_tokens: Optional[int] = None
         self._step_tokens = 0
         self._peak = PeakTracker(self)
+        # Measures the second step's layers; with config.memory_budget, plans the later ones.
+        self._budget = LayerBudget(self, config.memory_budget)
         try:
             self._install()
             if compile_options is not None:
@@ -480,6 +484,7 @@ class OffloadHandle:
             self._harvest(synchronize=False)
             if self._reserve_tokens and self._step_tokens:
                 self._reserve_measured()
+        self._budget.begin_step(self._micro_steps + 1, tokens)
         self._micro_steps += 1
         self._step_open = True
         self._step_tokens = tokens
@@ -515,7 +520,25 @@ class OffloadHandle:
         breakdown = self.peak_breakdown()
         if breakdown is not None:
             figures.update((key, breakdown[name]) for name, key in PEAK_STAT_KEYS.items())
+        figures.update(self.budget_stats())
         return figures
+
+    def budget_stats(self) -> Dict[str, float]:
+        """With memory_budget, the plan's figures (see LayerBudget.stats()); else empty."""
+        return self._budget.stats() if self.config.memory_budget is not None else {}
+
+    def layer_modes(self) -> Optional[List[str]]:
+        """With memory_budget: the mode of each checkpointed layer (forward order) in the
+        latest planned step ("resident": without checkpointing; "checkpoint"), or None before
+        a plan (the first two steps, and each longer than those measured before, run with
+        every layer checkpointed)."""
+        plan = self._budget.latest_plan
+        return list(plan.modes) if plan is not None else None
+
+    def budget_advice(self) -> Optional[str]:
+        """Without memory_budget, once a step was measured: what memory_budget='auto' would
+        buy (None when nothing would fit, or before the measurement)."""
+        return self._budget.advice()
 
     def _engine_figures(self) -> Dict[str, float]:
         if self._step_open:
@@ -689,7 +712,14 @@ class _OffloadingCheckpoint:
             # generation in training mode): the user's function, as without ckpt_offload.
             return self.original(function, *args, **kwargs)
         layer = _layer_of(function)
+        budget = self.handle._budget
+        if budget.mode(layer) == RESIDENT:
+            # The memory budget's plan: this layer's saved tensors stay on the device, and
+            # it is not recomputed (its random ops run once, as checkpointing's replay does).
+            return function(*args)
         function, args = _hidden_states_as_positional(function, args)
+        if budget.measuring():
+            function = budget.measure(layer, function)
         tensors = [a for a in args
                    if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter)]
         if not tensors:

@@ -310,6 +310,7 @@ class PeakTracker:
     def __init__(self, handle):
         self.handle = handle
         self.profile_at: Optional[int] = FIRST_PROFILED_STEP
+        self.withheld = False  # withhold(): no step is profiled unless asked for by name
         self.current: Optional[StepProfile] = None  # the profile in progress, read by hooks
         self.result: Optional[Dict[str, Any]] = None
         self._removing: List[Any] = []  # stopped meters still to take off the mode stack
@@ -317,6 +318,21 @@ class PeakTracker:
     def profile_next_step(self) -> None:
         """The next micro-step is profiled (the second, if none has run yet)."""
         self.profile_at = max(self.handle._micro_steps + 1, FIRST_PROFILED_STEP)
+        self.withheld = False
+
+    def withhold(self) -> None:
+        """No step is profiled, and profile_this_step() does nothing, until
+        profile_next_step() (the Trainer's memory metrics read the allocator's peak counter,
+        which a profiled step resets)."""
+        self.cancel()
+        self.withheld = True
+
+    def profile_this_step(self, micro_step: int) -> None:
+        """The micro-step that begins now is profiled too (the memory budget measures it),
+        unless profiling is withheld."""
+        if not self.withheld:
+            self.profile_at = micro_step if self.profile_at is None else min(
+                self.profile_at, micro_step)
 
     def cancel(self) -> None:
         """No profiled step from now on (until profile_next_step)."""

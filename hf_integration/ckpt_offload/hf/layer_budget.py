@@ -1,0 +1,306 @@
+"""A memory budget on one installation: measures a step, plans every later step's layers
+(ckpt_offload.budget decides), and says what it chose.
+
+Steps, counted from 1 after installation:
+- the first step runs with every layer checkpointed, as without a budget (its warm-up would
+  distort times);
+- a measured step (the second, and later each step longer than every one measured so far)
+  also runs with every layer checkpointed, and each layer's recompute in backward is
+  measured: the bytes of the tensors it saves (each storage once; the layer's parameters
+  and storages that several layers save, such as rotary tables and masks, not counted) and
+  its time (CUDA events; the wall clock on CPU). The step's peak comes from the peak
+  profiler's breakdown of the same step and, on CUDA, from the memory reserved by its end;
+- every other step is planned for its own token count (a plan per count, kept) from the
+  shortest measured step at least as long: bytes per token grow with length (attention
+  that materializes its scores), never shrink, so the longer step's figures bound the
+  shorter one's. The layers the plan makes resident run without checkpointing (their
+  GradientCheckpointingLayer calls the function directly); the others are checkpointed with
+  their inputs offloaded.
+
+A layer that its model's own settings do not checkpoint (every_n_layers, a per-layer flag)
+never reaches the checkpoint function: it is resident already, inside the measured peak,
+and the plan covers the others; this is said once.
+
+Without a budget nothing changes, but the second step is still measured, so that the advice
+can say what a budget would buy.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from ckpt_offload.budget import (CHECKPOINT, RESIDENT, LayerCost, LayerPlan, StepMeasurement,
+                                 checkpointed_peak, plan_layers, plan_summary)
+from ckpt_offload.config import parse_memory_budget
+
+logger = logging.getLogger("ckpt_offload.hf")
+
+GIB = float(1 << 30)
+
+# The micro-step whose recomputes are measured.
+MEASURED_STEP = 2
+
+# stats() keys of a budget (zeros until a plan exists).
+STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_checkpointed_layers",
+             "budget_tokens", "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
+             "budget_measured_peak_bytes", "budget_measuring")
+
+
+def device_memory_bytes() -> Optional[int]:
+    """The device memory this process may use: the current CUDA device's total, times the
+    process's memory fraction (torch.cuda.set_per_process_memory_fraction); None without
+    CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    device = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = 1.0
+    getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if getter is not None:
+        fraction = getter(device)
+    return int(total * fraction)
+
+
+class _LayerProbe:
+    """What one layer's recompute saved and how long it ran, in the measured step."""
+
+    def __init__(self, cuda: bool):
+        self.storages: Dict[int, int] = {}  # StorageImpl address -> bytes
+        self.seconds = 0.0
+        self._events: List[Any] = []
+        self._cuda = cuda
+
+    def start(self):
+        if self._cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def stop(self, start) -> None:
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((start, end))
+        else:
+            self.seconds += time.perf_counter() - start
+
+    def settle(self) -> None:
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1e3
+        self._events.clear()
+
+
+class LayerBudget:
+    """The budget of one OffloadHandle (see the module's docstring)."""
+
+    def __init__(self, handle, value):
+        self.handle = handle
+        self.value = value
+        self.layer_index = {layer: i for i, layer in enumerate(handle._layers)}
+        self.measurements: Dict[int, StepMeasurement] = {}  # by tokens
+        self.plan: Optional[LayerPlan] = None  # the running step's
+        self.latest_plan: Optional[LayerPlan] = None
+        self.measured_peak_bytes = 0  # reserved by the end of the latest planned step
+        self._plans: Dict[int, LayerPlan] = {}
+        self._probes: Optional[Dict[nn.Module, _LayerProbe]] = None
+        self._seen: Dict[int, Any] = {}  # address -> (weak ref, first layer) in the measured step
+        self._measured_tokens = 0
+        self._measured_started = 0.0
+        self._allocated_at_start = 0
+        self._cuda = False
+        self._said: set = set()
+
+    @property
+    def measurement(self) -> Optional[StepMeasurement]:
+        """The first step measured (None before)."""
+        return self.measurements[min(self.measurements)] if self.measurements else None
+
+    # Steps.
+
+    def begin_step(self, micro_step: int, tokens: int) -> None:
+        """A training forward of `tokens` tokens begins (micro-step `micro_step`)."""
+        if self._probes is not None:
+            self._finish_measurement()
+        elif self.plan is not None and self._cuda:
+            self.measured_peak_bytes = max(torch.cuda.max_memory_reserved(),
+                                           torch.cuda.memory_reserved())
+        self.plan = None
+        if micro_step < MEASURED_STEP or tokens <= 0:
+            return
+        if self.value is None:
+            if not self.measurements:
+                self._start_measurement(micro_step, tokens)
+            return
+        covering = [t for t in self.measurements if t >= tokens]
+        if not covering:
+            self._start_measurement(micro_step, tokens)
+            return
+        plan = self._plans.get(tokens)
+        if plan is None:
+            plan = self._plans[tokens] = self._plan_for(self.measurements[min(covering)], tokens)
+        self.plan = self.latest_plan = plan
+        if self._cuda and not self.handle._peak.withheld:
+            torch.cuda.reset_peak_memory_stats()
+
+    def mode(self, layer: Optional[nn.Module]) -> str:
+        """The running step's mode for `layer` (CHECKPOINT without a plan)."""
+        if self.plan is None or layer is None:
+            return CHECKPOINT
+        index = self.layer_index.get(layer)
+        return CHECKPOINT if index is None else self.plan.modes[index]
+
+    def measuring(self) -> bool:
+        return self._probes is not None
+
+    def measure(self, layer: Optional[nn.Module], function: Callable) -> Callable:
+        """`function` (a checkpointed layer's), measured when it is recomputed in backward."""
+        if self._probes is None or layer not in self.layer_index:
+            return function
+        probe = self._probes.setdefault(layer, _LayerProbe(self._cuda))
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+
+        def measured(*args, **kwargs):
+            top = torch._C._autograd._top_saved_tensors_default_hooks(True)
+            if torch._C._current_graph_task_id() == -1 or top is None:
+                return function(*args, **kwargs)  # the forward: nothing is saved
+            pack, unpack = top
+
+            def counting_pack(tensor):
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in params:
+                    self._note_storage(layer, probe, storage)
+                return pack(tensor)
+
+            torch._C._autograd._push_saved_tensors_default_hooks(counting_pack, unpack)
+            start = probe.start()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                probe.stop(start)
+                torch._C._autograd._pop_saved_tensors_default_hooks()
+
+        return measured
+
+    def _note_storage(self, layer: nn.Module, probe: _LayerProbe, storage) -> None:
+        key = storage._cdata
+        seen = self._seen.get(key)
+        if seen is None:
+            # The weak reference keeps the address from being reused until the measurement ends.
+            self._seen[key] = (StorageWeakRef(storage), layer)
+            probe.storages[key] = storage.nbytes()
+        elif seen[1] is not layer:
+            self._probes[seen[1]].storages.pop(key, None)  # shared by layers: not a layer's own
+
+    def _start_measurement(self, micro_step: int, tokens: int) -> None:
+        self.handle._peak.profile_this_step(micro_step)  # the breakdown gives its peak
+        self._cuda = self.handle.engine.backend == "cuda" and torch.cuda.is_available()
+        self._probes = {}
+        self._seen = {}
+        self._measured_tokens = tokens
+        self._measured_started = time.perf_counter()
+        self._allocated_at_start = torch.cuda.memory_allocated() if self._cuda else 0
+
+    def _finish_measurement(self) -> None:
+        probes, self._probes = self._probes, None
+        step_seconds = time.perf_counter() - self._measured_started
+        layers = []
+        for layer in self.handle._layers:
+            probe = probes.get(layer)
+            if probe is None:
+                layers.append(LayerCost(0.0, 0.0))
+                continue
+            probe.settle()
+            layers.append(LayerCost(sum(probe.storages.values()) / self._measured_tokens,
+                                    probe.seconds / self._measured_tokens))
+        self._seen = {}
+        if not any(cost.recompute_seconds_per_token > 0 for cost in layers):
+            return  # no recompute ran (the step saw no backward): a later step measures
+        activation_peak = self._activation_peak(layers)
+        peak = activation_peak
+        if self._cuda:
+            peak = max(torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved())
+        measured = StepMeasurement(
+            tokens=self._measured_tokens, layers=tuple(layers), peak_bytes=int(peak),
+            activation_peak_bytes=int(activation_peak), step_seconds=step_seconds)
+        self.measurements[measured.tokens] = measured
+        self._report_measurement(measured, probes)
+
+    def _activation_peak(self, layers: List[LayerCost]) -> float:
+        """The measured step's activation peak: the peak breakdown's; without one (it was not
+        profiled), on CUDA the allocator's peak since it was last reset, else every layer's
+        saved bytes: upper bounds."""
+        breakdown = self.handle._peak.result
+        if breakdown is not None and breakdown.get("micro_step") == self.handle._micro_steps:
+            return breakdown["step_peak_bytes"]
+        if self._cuda:
+            return max(0, torch.cuda.max_memory_allocated() - self._allocated_at_start)
+        return sum(cost.saved_bytes_per_token for cost in layers) * self._measured_tokens
+
+    def _plan_for(self, measured: StepMeasurement, tokens: int) -> LayerPlan:
+        budget = parse_memory_budget(self.value, device_memory_bytes())
+        if budget is None:  # "auto" or a fraction without CUDA: the measured step's own peak
+            budget = checkpointed_peak(measured, tokens)
+            self._say("no_device", "ckpt_offload.hf: memory_budget=%r needs a CUDA device to "
+                      "size it; without one the plan keeps the measured step's peak", self.value)
+        plan = plan_layers(measured, tokens, budget)
+        self._say(("plan", tokens), "ckpt_offload.hf: memory budget, %d tokens per micro-step: "
+                  "%s; predicted to save %.1f ms of recompute", tokens, plan.describe(),
+                  plan.predicted_seconds_saved * 1e3)
+        if not plan.fits:
+            self._say("over", "ckpt_offload.hf: memory_budget=%r is below what the step needs "
+                      "with every layer checkpointed; every layer stays checkpointed", self.value)
+        return plan
+
+    def _report_measurement(self, measured: StepMeasurement,
+                            probes: Dict[nn.Module, _LayerProbe]) -> None:
+        missing = len(self.handle._layers) - len(probes)
+        if missing and self.value is not None:
+            self._say("own_flags", "ckpt_offload.hf: %d of %d layers are not checkpointed by "
+                      "the model's own settings (every_n_layers or a layer's flag); they stay "
+                      "so, and the memory budget plans the other %d", missing,
+                      len(self.handle._layers), len(probes))
+        layer_bytes = max(c.saved_bytes_per_token for c in measured.layers) * measured.tokens
+        layer_ms = max(c.recompute_seconds_per_token for c in measured.layers) * measured.tokens
+        logger.info("ckpt_offload.hf: measured at %d tokens: a layer saves up to %.2f GiB and "
+                    "recomputes in up to %.2f ms; the step peaked at %.2f GiB",
+                    measured.tokens, layer_bytes / GIB, layer_ms * 1e3, measured.peak_bytes / GIB)
+
+    def advice(self) -> Optional[str]:
+        """Without a budget: what memory_budget='auto' would buy at the measured length, or
+        None (no measurement, no CUDA device, or nothing would fit)."""
+        measured = self.measurement
+        device = device_memory_bytes()
+        if self.value is not None or measured is None or device is None:
+            return None
+        budget = parse_memory_budget("auto", device)
+        plan = plan_layers(measured, measured.tokens, budget)
+        if plan.count(RESIDENT) == 0:
+            return None
+        return (f"The step uses {measured.peak_bytes / GIB:.1f} GiB of {device / GIB:.1f} GiB: "
+                f"memory_budget='auto' would run {plan.count(RESIDENT)} of "
+                f"{len(plan.modes)} layers without checkpointing, saving about "
+                f"{plan.predicted_seconds_saved * 1e3:.0f} ms of recompute per micro-step.")
+
+    def stats(self) -> Dict[str, float]:
+        """The plan of the running step (of the latest planned one while a step is measured),
+        budget_measuring (1: this step is measured, every layer checkpointed) and the
+        memory reserved by the end of the latest planned step (CUDA)."""
+        figures = {key: 0 for key in STAT_KEYS}
+        if self.latest_plan is not None:
+            figures.update(plan_summary(self.latest_plan))
+        figures["budget_measured_peak_bytes"] = self.measured_peak_bytes
+        figures["budget_measuring"] = int(self._probes is not None)
+        return figures
+
+    def _say(self, key, message: str, *args) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            logger.info(message, *args)

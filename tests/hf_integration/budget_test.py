@@ -1,0 +1,251 @@
+"""memory_budget on tiny Llamas (CPU, host backend): the measured step, the plan each later
+step runs, bit-identical losses and gradients to full checkpointing in every plan, and a
+predicted peak that bounds the measured one."""
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ckpt_offload.budget import CHECKPOINT, RESIDENT, checkpointed_peak, plan_layers
+from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
+from ckpt_offload.hf.layer_budget import MEASURED_STEP
+from ckpt_offload.hf.peak import LiveTensorMeter
+from tiny import HOST, VOCAB, TokenDataset, assert_same_weights, tiny_llama, tiny_lora, train
+
+LAYERS = 6
+STEPS = 5
+
+
+def llama(dropout: float = 0.0, layers: int = LAYERS) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        attention_dropout=dropout, attn_implementation="eager",
+        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return LlamaForCausalLM(config)
+
+
+def batches(lengths, seed=5):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (2, n), generator=generator) for n in lengths]
+
+
+def run(model, ids_list, handle=None, seed=11):
+    """Forward and backward of each batch; (losses, gradients by step). The global RNG is
+    seeded once, so dropout draws the same numbers in every run that consumes them alike."""
+    model.train()
+    torch.manual_seed(seed)
+    losses, grads = [], []
+    for ids in ids_list:
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+    return losses, grads
+
+
+def checkpointed(model):
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def assert_identical(expected, actual):
+    (losses_a, grads_a), (losses_b, grads_b) = expected, actual
+    assert len(losses_a) == len(losses_b)
+    for step, (a, b) in enumerate(zip(losses_a, losses_b)):
+        assert torch.equal(a, b), f"loss of step {step + 1}"
+    for step, (a, b) in enumerate(zip(grads_a, grads_b)):
+        assert a.keys() == b.keys()
+        for name in a:
+            assert torch.equal(a[name], b[name]), f"step {step + 1}: {name}"
+
+
+def measurement_of(make_model, lengths):
+    """A run with an unlimited budget: its measurement (and the plan: every layer resident)."""
+    model = checkpointed(make_model())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    run(model, batches(lengths), handle)
+    measured = handle._budget.measurement
+    handle.disable()
+    return measured
+
+
+def budget_for(measured, tokens, resident):
+    """The smallest budget that the step fits with every layer checkpointed and whose plan at
+    `tokens` runs the last `resident` layers resident."""
+    low, high = checkpointed_peak(measured, tokens), 1 << 40
+    while low < high:
+        middle = (low + high) // 2
+        if plan_layers(measured, tokens, middle).count(RESIDENT) >= resident:
+            high = middle
+        else:
+            low = middle + 1
+    return low
+
+
+@pytest.mark.parametrize("resident", [0, 2, LAYERS])
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_every_plan_is_bit_identical_to_checkpointing(resident, dropout):
+    lengths = [32] * STEPS
+    measured = measurement_of(lambda: llama(dropout), lengths)
+    tokens = 2 * 32
+    budget = budget_for(measured, tokens, resident)
+    expected = run(checkpointed(llama(dropout)), batches(lengths))
+
+    model = checkpointed(llama(dropout))
+    handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    actual = run(model, batches(lengths), handle)
+
+    assert_identical(expected, actual)
+    modes = handle.layer_modes()
+    assert modes == [CHECKPOINT] * (LAYERS - resident) + [RESIDENT] * resident
+    stats = handle.stats()
+    assert stats["budget_resident_layers"] == resident
+    assert stats["budget_checkpointed_layers"] == LAYERS - resident
+    assert stats["budget_predicted_peak_bytes"] <= budget
+    assert stats["budget_bytes"] == budget
+    # Resident layers are not offloaded: the last step offloaded one input per checkpointed
+    # layer (keep_last=1 leaves one of them resident) and the head's.
+    assert stats["groups"] == LAYERS - resident
+    handle.disable()
+
+
+def test_steps_before_the_plan_checkpoint_every_layer():
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    run(model, batches([32] * MEASURED_STEP), handle)
+    assert handle.layer_modes() is None
+    assert handle.stats()["groups"] == LAYERS
+    run(model, batches([32]), handle)
+    assert handle.layer_modes() == [RESIDENT] * LAYERS
+    assert handle.stats()["groups"] == 0
+    handle.disable()
+
+
+def test_lora_plans_are_bit_identical():
+    def make_model():
+        return tiny_lora(tiny_llama(layers=4))
+
+    lengths = [32] * STEPS
+    measured = measurement_of(make_model, lengths)
+    budget = budget_for(measured, 64, 2)
+    expected = run(checkpointed(make_model()), batches(lengths))
+    model = checkpointed(make_model())
+    handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    actual = run(model, batches(lengths), handle)
+    assert_identical(expected, actual)
+    assert handle.layer_modes() == [CHECKPOINT, CHECKPOINT, RESIDENT, RESIDENT]
+    handle.disable()
+
+
+def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one():
+    """Lengths vary (as with packing): a step longer than every one measured so far is
+    measured (every layer checkpointed); any other is planned from the shortest measured
+    step at least as long. The predicted peak never exceeds the budget, and bounds the
+    planned step's measured peak."""
+    lengths = [32, 32, 32, 64, 64, 96, 32, 96, 128, 64, 48]
+    measuring_steps = {2, 4, 6, 9}
+    measured = measurement_of(llama, [32] * 3)
+    budget = budget_for(measured, 64, 4)
+    expected = run(checkpointed(llama()), batches(lengths))
+
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    model.train()
+    torch.manual_seed(11)
+    losses, grads, resident_by_length = [], [], {}
+    for step, ids in enumerate(batches(lengths), start=1):
+        model.zero_grad(set_to_none=True)
+        planned = step > 1 and step not in measuring_steps
+        meter = LiveTensorMeter().start() if planned else None
+        try:
+            loss = model(input_ids=ids, labels=ids).loss
+            stats = handle.stats()
+            loss.backward()
+        finally:
+            if meter is not None:
+                meter.stop()
+                assert meter.remove()
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        assert stats["budget_measuring"] == int(step in measuring_steps), step
+        if planned:
+            assert stats["budget_tokens"] == ids.numel()
+            assert stats["budget_predicted_peak_bytes"] <= budget
+            assert meter.peak() <= stats["budget_predicted_peak_bytes"], step
+            resident_by_length[ids.shape[1]] = stats["budget_resident_layers"]
+    assert_identical(expected, (losses, grads))
+    assert sorted(handle._budget.measurements) == [64, 128, 192, 256]
+    assert resident_by_length[32] == 4
+    counts = [resident_by_length[n] for n in sorted(resident_by_length)]
+    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1], resident_by_length
+    handle.disable()
+
+
+def test_layers_the_model_does_not_checkpoint_stay_so(caplog):
+    model = checkpointed(llama())
+    layers = model.model.layers
+    layers[0].gradient_checkpointing = False  # the user's own choice (as every_n_layers does)
+    expected_model = checkpointed(llama())
+    expected_model.model.layers[0].gradient_checkpointing = False
+    lengths = [32] * STEPS
+    expected = run(expected_model, batches(lengths))
+    handle = enable_activation_offload(model, memory_budget=1, **HOST)
+    with caplog.at_level(logging.INFO, logger="ckpt_offload.hf"):
+        actual = run(model, batches(lengths), handle)
+    assert_identical(expected, actual)
+    notes = [r.getMessage() for r in caplog.records if "model's own settings" in r.getMessage()]
+    assert len(notes) == 1 and "1 of 6 layers" in notes[0]
+    # A budget of one byte is below what the step needs: every layer stays checkpointed.
+    assert handle.layer_modes() == [CHECKPOINT] * LAYERS
+    assert any("below what the step needs" in r.getMessage() for r in caplog.records)
+    assert layers[0].gradient_checkpointing is False
+    handle.disable()
+    assert layers[0].gradient_checkpointing is False
+
+
+def test_the_measurement_counts_a_layers_own_saved_bytes():
+    """Every layer saves the same tensors; parameters and storages that every layer saves
+    (the rotary tables, the mask) are not a layer's own."""
+    measured = measurement_of(llama, [32] * 3)
+    per_token = {cost.saved_bytes_per_token for cost in measured.layers}
+    assert len(per_token) == 1
+    hidden, heads, ffn = 64, 4, 128
+    # At least the layer's input, the attention probabilities (eager: heads x seq per token),
+    # the MLP's gate and up outputs, as float32.
+    lower = 4 * (hidden + heads * 32 + 2 * ffn)
+    assert per_token.pop() >= lower
+    assert all(cost.recompute_seconds_per_token > 0 for cost in measured.layers)
+    assert measured.tokens == 64
+
+
+def test_trainer_with_a_budget_logs_the_plan_and_trains_bit_identically(tmp_path, caplog):
+    plain = tiny_llama()
+    _, plain_losses = train(plain, tmp_path / "plain", max_steps=5)
+    model = tiny_llama()
+    callback = ActivationOffloadCallback(memory_budget="1TiB", **HOST)
+    with caplog.at_level(logging.INFO, logger="ckpt_offload.hf"):
+        trainer, losses = train(model, tmp_path / "budget", callbacks=[callback], max_steps=5)
+    assert losses == plain_losses
+    assert_same_weights(plain, model)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs[-1]["offload/budget_resident_layers"] == 4
+    assert logs[0]["offload/budget_resident_layers"] == 0
+    assert logs[-1]["offload/budget_predicted_peak_gib"] > 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("4 of 4 layers without checkpointing" in m for m in messages) == 1
+
+
+def test_bad_budgets_are_refused_naming_the_field():
+    model = checkpointed(llama(layers=2))
+    for value in ("lots", -1, 0, 1.5, True, [1]):
+        with pytest.raises(ValueError, match="memory_budget"):
+            enable_activation_offload(model, memory_budget=value, **HOST)
+    with pytest.raises(ValueError, match="offload_memory_budget"):
+        from ckpt_offload.hf import OffloadArguments
+        OffloadArguments(activation_offloading=True, offload_memory_budget="lots")
