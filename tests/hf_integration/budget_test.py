@@ -12,7 +12,7 @@ from ckpt_offload.budget import CHECKPOINT, RESIDENT, checkpointed_peak, plan_la
 from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
 from ckpt_offload.hf.layer_budget import MEASURED_STEP
 from ckpt_offload.hf.peak import LiveTensorMeter
-from tiny import HOST, VOCAB, TokenDataset, assert_same_weights, tiny_llama, tiny_lora, train
+from tiny import HOST, VOCAB, assert_same_weights, tiny_llama, tiny_lora, train
 
 LAYERS = 6
 STEPS = 5

@@ -28,14 +28,14 @@ nothing (a time of 0) is not worth its bytes and stops the run.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 CHECKPOINT = "checkpoint"
 RESIDENT = "resident"
 MODES = (CHECKPOINT, RESIDENT)
 
 # Share of a plan's resident bytes added for the caching allocator's rounding (block sizes,
-# segments) when the plan is held against reserved memory.
+# segments): the plan is held against reserved memory, the measurement is of allocations.
 ROUNDING_MARGIN = 0.02
 
 
@@ -57,9 +57,9 @@ class StepMeasurement:
     """A step run with every layer checkpointed.
 
     tokens: its tokens (batch x sequence length); layers: its checkpointed layers in forward
-    order; peak_bytes: the device memory reserved by the end of it (weights, gradients and
-    optimizer state included); activation_peak_bytes: its peak allocation above what was
-    allocated when it began (what grows with tokens); step_seconds: its time."""
+    order; peak_bytes: the device memory allocated at its peak (weights, gradients and
+    optimizer state included); activation_peak_bytes: that peak above what was allocated
+    when it began (what grows with tokens); step_seconds: its time."""
 
     tokens: int
     layers: Tuple[LayerCost, ...]

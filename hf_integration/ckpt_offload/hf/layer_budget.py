@@ -8,8 +8,9 @@ Steps, counted from 1 after installation:
   also runs with every layer checkpointed, and each layer's recompute in backward is
   measured: the bytes of the tensors it saves (each storage once; the layer's parameters
   and storages that several layers save, such as rotary tables and masks, not counted) and
-  its time (CUDA events; the wall clock on CPU). The step's peak comes from the peak
-  profiler's breakdown of the same step and, on CUDA, from the memory reserved by its end;
+  its time (CUDA events; the wall clock on CPU). The step's peak is the memory allocated as
+  it began plus the peak profiler's figure for the same step (on CPU: that figure alone;
+  the step's own tensors are all the budget counts there);
 - every other step is planned for its own token count (a plan per count, kept) from the
   shortest measured step at least as long: bytes per token grow with length (attention
   that materializes its scores), never shrink, so the longer step's figures bound the
@@ -53,18 +54,19 @@ STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_checkpointed_laye
 
 
 def device_memory_bytes() -> Optional[int]:
-    """The device memory this process may use: the current CUDA device's total, times the
-    process's memory fraction (torch.cuda.set_per_process_memory_fraction); None without
-    CUDA."""
+    """The device memory this process may use: the current CUDA device's total times the
+    process's memory fraction (torch.cuda.set_per_process_memory_fraction), or less when
+    other processes hold part of the device (what is free plus what this process's
+    allocator holds); None without CUDA."""
     if not torch.cuda.is_available():
         return None
     device = torch.cuda.current_device()
-    total = torch.cuda.get_device_properties(device).total_memory
+    free, total = torch.cuda.mem_get_info(device)
     fraction = 1.0
     getter = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if getter is not None:
         fraction = getter(device)
-    return int(total * fraction)
+    return int(min(total * fraction, free + torch.cuda.memory_reserved(device)))
 
 
 class _LayerProbe:
@@ -224,9 +226,9 @@ class LayerBudget:
         if not any(cost.recompute_seconds_per_token > 0 for cost in layers):
             return  # no recompute ran (the step saw no backward): a later step measures
         activation_peak = self._activation_peak(layers)
-        peak = activation_peak
-        if self._cuda:
-            peak = max(torch.cuda.max_memory_reserved(), torch.cuda.memory_reserved())
+        # What the step allocated at its peak: memory cached for others (another model's
+        # forward, an evaluation) is not the step's, and the allocator reuses it.
+        peak = self._allocated_at_start + activation_peak
         measured = StepMeasurement(
             tokens=self._measured_tokens, layers=tuple(layers), peak_bytes=int(peak),
             activation_peak_bytes=int(activation_peak), step_seconds=step_seconds)

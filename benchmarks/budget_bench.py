@@ -1,0 +1,241 @@
+"""memory_budget on the GPU: step time and peak of every way to spend a memory cap, in one
+process, interleaved round by round.
+
+    python benchmarks/budget_bench.py --configs llama3-8b:8192:full,llama3-8b:8192:80 \\
+        --rounds 6 --out DIR
+
+A config is shape:seq:cap (cap: GiB, or `full` for the whole device; applied with
+torch.cuda.set_per_process_memory_fraction). Workload: benchmarks/workloads.py (peft LoRA
+r=16 on all linear layers, bf16, batch 1, sdpa, the model's own loss). Modes, each its own
+LoRA model over one shared base:
+
+- ckpt: every layer checkpointed (non-reentrant), the reference of every ratio;
+- ckpt_offload: today's ckpt_offload (inputs offloaded, every layer checkpointed);
+- budget: ckpt_offload with memory_budget="auto" (95 % of the cap);
+- none: no checkpointing, where it fits;
+- every_n: transformers' every_n_layers at the largest N (fewest layers checkpointed) of
+  2, 3, 4, 6, 8, 16, 32 whose step fits, found before the timed rounds.
+
+Three warm-up rounds (the budget's second step is its measured one, its third the first
+planned), the cache emptied before each warm-up step so that no mode's measurement sees
+another's cached blocks; then timed rounds. Step time: median; `paired`: median of each
+round's ratio to ckpt's step. Peaks: the allocator's max allocated and max reserved during
+the step (weights included), against the cap. Losses are compared across modes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from gpu_bench import meta, run_line
+from workloads import base_model, lora_model
+
+GIB = 2**30
+MODES = ("ckpt", "ckpt_offload", "budget", "none", "every_n")
+EVERY_N = (32, 16, 8, 6, 4, 3, 2)
+WARMUP = 3
+
+
+class Mode:
+    def __init__(self, name: str, model, handle=None, note: str = ""):
+        self.name, self.model, self.handle, self.note = name, model, handle, note
+        self.times: List[float] = []
+        self.allocated: List[int] = []
+        self.reserved: List[int] = []
+        self.losses: List[float] = []
+        self.error = ""
+
+
+def one_step(mode: Mode, ids, record: bool) -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    loss = mode.model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    torch.cuda.synchronize()
+    elapsed = (time.perf_counter() - start) * 1e3
+    mode.model.zero_grad(set_to_none=True)
+    if record:
+        mode.times.append(elapsed)
+        mode.allocated.append(torch.cuda.max_memory_allocated())
+        mode.reserved.append(torch.cuda.max_memory_reserved())
+        mode.losses.append(float(loss.detach()))
+
+
+def try_step(mode: Mode, ids, record: bool) -> bool:
+    try:
+        one_step(mode, ids, record)
+        return True
+    except torch.OutOfMemoryError as error:
+        mode.error = f"OOM: {str(error).splitlines()[0][:160]}"
+        mode.model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        return False
+
+
+def set_cap(cap: str) -> float:
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = 1.0 if cap == "full" else min(1.0, float(cap) * GIB / total)
+    torch.cuda.set_per_process_memory_fraction(fraction)
+    return total * fraction
+
+
+def checkpoint_every(model, n: int) -> None:
+    model.base_model.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n)
+
+
+def make_modes(names, base) -> List[Mode]:
+    from ckpt_offload.hf import enable_activation_offload
+
+    modes = []
+    for name in names:
+        model = lora_model(base)
+        if name == "ckpt_offload":
+            modes.append(Mode(name, model, enable_activation_offload(model)))
+        elif name == "budget":
+            modes.append(Mode(name, model, enable_activation_offload(model, memory_budget="auto")))
+        elif name == "none":
+            model.base_model.model.gradient_checkpointing_disable()
+            modes.append(Mode(name, model))
+        else:
+            modes.append(Mode(name, model))
+    return modes
+
+
+def find_every_n(mode: Mode, ids) -> None:
+    """The largest N whose step fits (two steps each: the second without warm-up)."""
+    for n in EVERY_N:
+        checkpoint_every(mode.model, n)
+        torch.cuda.empty_cache()
+        if try_step(mode, ids, False) and try_step(mode, ids, False):
+            mode.note = f"every_n_layers={n}"
+            mode.error = ""
+            return
+    mode.note = "no N fits"
+
+
+def run_config(shape: str, seq: int, cap: str, rounds: int, names, base) -> Dict:
+    cap_bytes = set_cap(cap)
+    gc.collect()
+    torch.cuda.empty_cache()
+    generator = torch.Generator().manual_seed(seq)
+    ids = torch.randint(0, base.config.vocab_size, (1, seq), generator=generator).cuda()
+    modes = make_modes(names, base)
+    for mode in modes:
+        if mode.name == "every_n":
+            find_every_n(mode, ids)
+    alive = {m.name: m.note != "no N fits" for m in modes}
+    for _ in range(WARMUP):
+        for mode in modes:
+            if alive[mode.name]:
+                torch.cuda.empty_cache()
+                alive[mode.name] = try_step(mode, ids, False)
+    for _ in range(rounds):
+        for mode in modes:
+            if alive[mode.name]:
+                alive[mode.name] = try_step(mode, ids, True)
+    rows = []
+    reference = next((m for m in modes if m.name == "ckpt"), None)
+    for mode in modes:
+        row = dict(mode=mode.name, note=mode.note, error=mode.error,
+                   fits=bool(mode.times) and not mode.error)
+        if mode.times:
+            row.update(step_ms=statistics.median(mode.times),
+                       allocated_peak_gib=max(mode.allocated) / GIB,
+                       reserved_peak_gib=max(mode.reserved) / GIB,
+                       losses=mode.losses, times_ms=mode.times)
+            if reference is not None and reference.times:
+                n = min(len(mode.times), len(reference.times))
+                row["ratio"] = row["step_ms"] / statistics.median(reference.times)
+                row["paired"] = statistics.median(
+                    mode.times[i] / reference.times[i] for i in range(n))
+        if mode.handle is not None:
+            stats = mode.handle.stats()
+            row["stats"] = {k: v for k, v in stats.items() if k.startswith(("budget", "peak_"))
+                            or k in ("exposed_wait_ms", "offloaded_bytes", "groups")}
+            modes_now = getattr(mode.handle, "layer_modes", lambda: None)()
+            if modes_now is not None:
+                row["plan"] = "".join("R" if m == "resident" else "C" for m in modes_now)
+            measured = mode.handle._budget.measurement
+            if measured is not None:
+                row["measured_layer_gib"] = max(
+                    c.saved_bytes_per_token for c in measured.layers) * measured.tokens / GIB
+                row["measured_recompute_ms"] = max(
+                    c.recompute_seconds_per_token for c in measured.layers) * measured.tokens * 1e3
+                row["measured_peak_gib"] = measured.peak_bytes / GIB
+            mode.handle.disable()
+        rows.append(row)
+    losses = {tuple(r["losses"][:1]) for r in rows if r.get("losses")}
+    for mode in modes:
+        mode.model = None
+    del modes
+    gc.collect()
+    torch.cuda.empty_cache()
+    return dict(shape=shape, seq=seq, cap=cap, cap_gib=cap_bytes / GIB, rows=rows,
+                same_first_loss=len(losses) <= 1)
+
+
+def table(report) -> str:
+    lines = [run_line(report["meta"]), "",
+             "| model | seq | cap GiB | mode | step ms | / ckpt | paired | alloc peak GiB | "
+             "reserved peak GiB | plan (C ckpt, R resident) | note |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        for row in run["rows"]:
+            def cell(key, spec):
+                value = row.get(key)
+                return format(value, spec) if isinstance(value, (int, float)) else "—"
+            note = row.get("note") or row.get("error") or ""
+            plan = row.get("plan", "")
+            if plan:
+                plan = f"{plan.count('R')} R / {plan.count('C')} C"
+            lines.append(
+                f"| {run['shape']} | {run['seq']} | {run['cap_gib']:.0f} | {row['mode']} | "
+                f"{cell('step_ms', '.1f')} | {cell('ratio', '.3f')} | {cell('paired', '.3f')} | "
+                f"{cell('allocated_peak_gib', '.1f')} | {cell('reserved_peak_gib', '.1f')} | "
+                f"{plan} | {note[:60]} |")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--configs", required=True)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    names = args.modes.split(",")
+    report = dict(meta=meta(), runs=[])
+    bases = {}
+    for item in args.configs.split(","):
+        shape, seq, cap = item.split(":")
+        if shape not in bases:
+            bases.clear()
+            gc.collect()
+            bases[shape] = base_model(shape)
+        run = run_config(shape, int(seq), cap, args.rounds, names, bases[shape])
+        report["runs"].append(run)
+        text = table(report)
+        print(text, flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "budget_bench.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(args.out, "budget_bench.md"), "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

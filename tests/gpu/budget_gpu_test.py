@@ -1,0 +1,98 @@
+"""memory_budget on the GPU (tag gpu): a Llama-1B-shaped LoRA model at seq 4096 under a cap
+that fits some layers resident and not all. The plan mixes both modes, the step's reserved
+peak stays under the cap and within the plan's prediction, and losses and gradients are
+bit-identical to full checkpointing (eager attention: deterministic kernels).
+
+    python -m pytest -s tests/gpu/budget_gpu_test.py
+"""
+
+import gc
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+SEQ, STEPS, LAYERS = 4096, 6, 16
+GIB = 2**30
+
+
+def lora_llama():
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    config = transformers.LlamaConfig(
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=LAYERS,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        max_position_embeddings=SEQ, attn_implementation="eager", use_cache=False)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear",
+                                            lora_dropout=0.0, task_type="CAUSAL_LM"))
+
+
+def run(model, handle=None):
+    ids = torch.randint(0, 32000, (1, SEQ), generator=torch.Generator().manual_seed(0)).cuda()
+    losses, grads, reserved, plans = [], [], [], []
+    for _ in range(STEPS):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.cuda.synchronize()
+        reserved.append(torch.cuda.max_memory_reserved())
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+        model.zero_grad(set_to_none=True)
+        if handle is not None:
+            plans.append(handle.budget_stats())
+    return losses, grads, reserved, plans
+
+
+def test_a_plan_at_a_cap_fits_and_is_bit_identical():
+    from ckpt_offload.hf import enable_activation_offload
+
+    expected_losses, expected_grads, _, _ = run(lora_llama())
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    # Probe: the step's allocated peak with every layer checkpointed, and one layer's bytes.
+    model = lora_llama()
+    handle = enable_activation_offload(model, memory_budget="1TiB")
+    run(model, handle)
+    measured = handle._budget.measurement
+    layer_bytes = max(c.saved_bytes_per_token for c in measured.layers) * measured.tokens
+    handle.disable()
+    del model, handle
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    # A cap with room for about 5 resident layers beside the checkpointed step's peak.
+    total = torch.cuda.get_device_properties(0).total_memory
+    cap = (measured.peak_bytes + 5.5 * layer_bytes) / 0.95 + GIB
+    torch.cuda.set_per_process_memory_fraction(cap / total)
+    try:
+        model = lora_llama()
+        handle = enable_activation_offload(model, memory_budget="auto")
+        losses, grads, reserved, plans = run(model, handle)
+        modes = handle.layer_modes()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    resident = modes.count("resident")
+    print(f"cap {cap / GIB:.2f} GiB, layer {layer_bytes / GIB:.3f} GiB, plan {resident} "
+          f"resident / {len(modes) - resident} checkpointed, reserved peaks "
+          f"{[round(r / GIB, 2) for r in reserved]}, predicted "
+          f"{plans[-1]['budget_predicted_peak_bytes'] / GIB:.2f} GiB")
+    assert 0 < resident < LAYERS
+    assert modes == ["checkpoint"] * (LAYERS - resident) + ["resident"] * resident
+    assert max(reserved) <= cap
+    assert max(reserved[2:]) <= plans[-1]["budget_predicted_peak_bytes"] + GIB
+    for step in range(STEPS):
+        assert torch.equal(losses[step], expected_losses[step]), step
+        for name, grad in expected_grads[step].items():
+            assert torch.equal(grads[step][name], grad), (step, name)
