@@ -52,6 +52,7 @@ class Mode:
         self.allocated: List[int] = []
         self.reserved: List[int] = []
         self.losses: List[float] = []
+        self.stats: Dict = {}  # the handle's figures after this mode's latest timed step
         self.error = ""
 
 
@@ -70,6 +71,9 @@ def one_step(mode: Mode, ids, record: bool) -> None:
         mode.allocated.append(torch.cuda.max_memory_allocated())
         mode.reserved.append(torch.cuda.max_memory_reserved())
         mode.losses.append(float(loss.detach()))
+        if mode.handle is not None:
+            # Read now: handles of equal engine settings share one offloader per thread.
+            mode.stats = mode.handle.stats()
 
 
 def try_step(mode: Mode, ids, record: bool) -> bool:
@@ -162,8 +166,8 @@ def run_config(shape: str, seq: int, cap: str, rounds: int, names, base) -> Dict
                 row["paired"] = statistics.median(
                     mode.times[i] / reference.times[i] for i in range(n))
         if mode.handle is not None:
-            stats = mode.handle.stats()
-            row["stats"] = {k: v for k, v in stats.items() if k.startswith(("budget", "peak_"))
+            row["stats"] = {k: v for k, v in mode.stats.items()
+                            if k.startswith(("budget", "peak_", "head_offloaded"))
                             or k in ("exposed_wait_ms", "offloaded_bytes", "groups")}
             modes_now = getattr(mode.handle, "layer_modes", lambda: None)()
             if modes_now is not None:
@@ -185,6 +189,58 @@ def run_config(shape: str, seq: int, cap: str, rounds: int, names, base) -> Dict
     torch.cuda.empty_cache()
     return dict(shape=shape, seq=seq, cap=cap, cap_gib=cap_bytes / GIB, rows=rows,
                 same_first_loss=len(losses) <= 1)
+
+
+def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict:
+    """`steps` steps of lengths drawn uniformly from [low, high] (multiples of 256) with
+    memory_budget="auto" under `cap`: per step its length, time, peaks, the plan's
+    prediction, and any OOM."""
+    from ckpt_offload.hf import enable_activation_offload
+
+    cap_bytes = set_cap(cap)
+    gc.collect()
+    torch.cuda.empty_cache()
+    model = lora_model(base)
+    handle = enable_activation_offload(model, memory_budget="auto")
+    mode = Mode("budget", model, handle)
+    generator = torch.Generator().manual_seed(7)
+    records = []
+    for index in range(steps):
+        seq = 256 * int(torch.randint(low // 256, high // 256 + 1, (1,), generator=generator))
+        ids = torch.randint(0, base.config.vocab_size, (1, seq), generator=generator).cuda()
+        ok = try_step(mode, ids, True)
+        stats = mode.stats if ok else {}
+        records.append(dict(
+            step=index + 1, seq=seq, ok=ok, error=mode.error if not ok else "",
+            step_ms=mode.times[-1] if ok else None,
+            allocated_peak_gib=mode.allocated[-1] / GIB if ok else None,
+            reserved_peak_gib=mode.reserved[-1] / GIB if ok else None,
+            measuring=bool(stats.get("budget_measuring")),
+            resident=stats.get("budget_resident_layers"),
+            predicted_peak_gib=stats.get("budget_predicted_peak_bytes", 0) / GIB,
+            plan_tokens=stats.get("budget_tokens")))
+        print(json.dumps(records[-1]), flush=True)
+    handle.disable()
+    return dict(shape=shape, cap=cap, cap_gib=cap_bytes / GIB, low=low, high=high,
+                records=records)
+
+
+def var_table(run) -> str:
+    records = run["records"]
+    planned = [r for r in records if r["ok"] and not r["measuring"] and r["plan_tokens"]]
+    errors = [r for r in records if r["error"].startswith("OOM")]
+    over = [r for r in records if r["ok"] and r["reserved_peak_gib"] > run["cap_gib"]]
+    under = [r["predicted_peak_gib"] - r["allocated_peak_gib"] for r in planned]
+    lines = [f"var {run['shape']} lengths [{run['low']}, {run['high']}], cap "
+             f"{run['cap_gib']:.1f} GiB: {len(records)} steps, {len(errors)} OOM, "
+             f"{len(over)} over the cap (reserved), {len(records) - len(planned)} measured "
+             f"(every layer checkpointed), max reserved "
+             f"{max(r['reserved_peak_gib'] or 0 for r in records):.2f} GiB"]
+    if under:
+        lines.append(f"planned steps: predicted peak minus allocated peak, GiB: min "
+                     f"{min(under):.2f}, median {statistics.median(under):.2f}, max "
+                     f"{max(under):.2f}")
+    return "\n".join(lines)
 
 
 def table(report) -> str:
@@ -211,7 +267,9 @@ def table(report) -> str:
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--configs", required=True)
+    parser.add_argument("--configs", default="")
+    parser.add_argument("--var", default="",
+                        help="shape:low:high:steps:cap, e.g. llama3-8b:4096:32768:100:80")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--out", required=True)
@@ -219,7 +277,19 @@ def main(argv: Optional[List[str]] = None) -> int:
     names = args.modes.split(",")
     report = dict(meta=meta(), runs=[])
     bases = {}
-    for item in args.configs.split(","):
+    if args.var:
+        shape, low, high, steps, cap = args.var.split(":")
+        run = run_var(shape, int(low), int(high), int(steps), cap, base_model(shape))
+        report["var"] = run
+        text = var_table(run)
+        print(text, flush=True)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "budget_var.json"), "w") as f:
+            json.dump(report, f, indent=1)
+        with open(os.path.join(args.out, "budget_var.md"), "w") as f:
+            f.write(run_line(report["meta"]) + "\n\n" + text + "\n")
+        return 0
+    for item in filter(None, args.configs.split(",")):
         shape, seq, cap = item.split(":")
         if shape not in bases:
             bases.clear()

@@ -10,19 +10,26 @@ Each checkpointed layer runs in one of two modes:
               its backward, and its backward recomputes nothing.
 
 Costs come from a measured step (every layer checkpointed): each layer's saved bytes and
-recompute time (counted while its recompute runs), the step's tokens, and the device memory
-the step reserved. Activation bytes are linear in tokens (fused attention's are too), so a
-step of `t` tokens is planned with the measured bytes scaled by t / measured tokens.
+recompute time (counted while its recompute runs), the step's tokens, and its peak. A step of
+`t` tokens is planned from a measured step of at least `t` tokens, its per-token figures
+applied to `t` (bytes per token grow with length where attention materializes its scores,
+and never shrink, so a longer step's figures bound a shorter one's); plan_layers also
+accepts a shorter measurement and then grows the measured peak linearly with tokens.
 
 Memory. A resident layer's saved tensors are live from its forward to its backward, so at the
 end of the forward (where the head's loss runs) every resident layer's are live at once. The
-plan counts all of them on top of the whole measured step's peak, the step's growth with
-tokens included: an upper bound. The resident layers are the last ones: backward frees them
-first, so the recomputes of the layers below run without them.
+plan counts all of them on top of the whole measured step's peak: an upper bound.
+
+Order. The resident layers are the first ones. Their forwards come before any checkpointed
+layer's, so the checkpointed layers keep the schedule they have without a budget: the last
+one's input stays resident (keep_last), the tensors saved after it are the model's head
+(offload_head), and backward prefetches from the top down. Last layers made resident would
+sit between the last checkpointed layer and the head, where their saved tensors would be
+taken for the head's.
 
 Time. Each resident layer saves its recompute. Decoder layers of one model cost the same, so
-the plan is the longest run of last layers that fits; a layer whose measured recompute saved
-nothing (a time of 0) is not worth its bytes and stops the run.
+the plan is the longest run of first layers that fits; a layer whose measured recompute
+saved nothing (a time of 0: never recomputed) is not worth its bytes and stops the run.
 """
 
 from __future__ import annotations
@@ -115,7 +122,7 @@ def checkpointed_peak(measured: StepMeasurement, tokens: int) -> int:
 
 def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int) -> LayerPlan:
     """The plan for a step of `tokens` tokens under `budget_bytes` of device memory: the
-    longest run of last layers whose saved tensors fit beside the checkpointed step's peak.
+    longest run of first layers whose saved tensors fit beside the checkpointed step's peak.
     Its predicted peak never exceeds the budget unless the checkpointed step alone does."""
     if tokens <= 0:
         raise ValueError(f"tokens: must be > 0, got {tokens}")
@@ -124,7 +131,7 @@ def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int) -> La
     base = checkpointed_peak(measured, tokens)
     modes: List[str] = [CHECKPOINT] * len(measured.layers)
     peak, saved = base, 0.0
-    for index in reversed(range(len(measured.layers))):
+    for index in range(len(measured.layers)):
         layer = measured.layers[index]
         if layer.recompute_seconds_per_token <= 0:
             break
