@@ -89,7 +89,7 @@ def test_a_plan_at_a_cap_fits_and_is_bit_identical():
           f"{[round(r / GIB, 2) for r in reserved]}, predicted "
           f"{plans[-1]['budget_predicted_peak_bytes'] / GIB:.2f} GiB")
     assert 0 < resident < LAYERS
-    assert modes == ["resident"] * resident + ["checkpoint"] * (LAYERS - resident)
+    assert modes == ["checkpoint"] * (LAYERS - resident) + ["resident"] * resident
     assert max(reserved) <= cap
     assert max(reserved[2:]) <= plans[-1]["budget_predicted_peak_bytes"] + GIB
     for step in range(STEPS):

@@ -77,7 +77,7 @@ def measurement_of(make_model, lengths):
 
 def budget_for(measured, tokens, resident):
     """The smallest budget that the step fits with every layer checkpointed and whose plan at
-    `tokens` runs the first `resident` layers resident."""
+    `tokens` runs the last `resident` layers resident."""
     low, high = checkpointed_peak(measured, tokens), 1 << 40
     while low < high:
         middle = (low + high) // 2
@@ -103,17 +103,16 @@ def test_every_plan_is_bit_identical_to_checkpointing(resident, dropout):
 
     assert_identical(expected, actual)
     modes = handle.layer_modes()
-    assert modes == [RESIDENT] * resident + [CHECKPOINT] * (LAYERS - resident)
+    assert modes == [CHECKPOINT] * (LAYERS - resident) + [RESIDENT] * resident
     stats = handle.stats()
     assert stats["budget_resident_layers"] == resident
     assert stats["budget_checkpointed_layers"] == LAYERS - resident
     assert stats["budget_predicted_peak_bytes"] <= budget
     assert stats["budget_bytes"] == budget
-    # Only the checkpointed layers' inputs form groups; the head's tensors are offloaded
-    # after the last of them, as without a budget.
-    assert stats["groups"] == LAYERS - resident
-    if resident < LAYERS:
-        assert stats["head_offloaded_tensors"] > 0
+    # Every layer forms a group, resident ones too; the head's tensors are offloaded after
+    # the last, as without a budget.
+    assert stats["groups"] == LAYERS
+    assert stats["head_offloaded_tensors"] > 0
     handle.disable()
 
 
@@ -125,7 +124,7 @@ def test_steps_before_the_plan_checkpoint_every_layer():
     assert handle.stats()["groups"] == LAYERS
     run(model, batches([32]), handle)
     assert handle.layer_modes() == [RESIDENT] * LAYERS
-    assert handle.stats()["groups"] == 0
+    assert handle.stats()["budget_resident_layers"] == LAYERS
     handle.disable()
 
 
@@ -141,7 +140,7 @@ def test_lora_plans_are_bit_identical():
     handle = enable_activation_offload(model, memory_budget=budget, **HOST)
     actual = run(model, batches(lengths), handle)
     assert_identical(expected, actual)
-    assert handle.layer_modes() == [RESIDENT, RESIDENT, CHECKPOINT, CHECKPOINT]
+    assert handle.layer_modes() == [CHECKPOINT, CHECKPOINT, RESIDENT, RESIDENT]
     handle.disable()
 
 

@@ -713,15 +713,18 @@ class _OffloadingCheckpoint:
             return self.original(function, *args, **kwargs)
         layer = _layer_of(function)
         budget = self.handle._budget
-        if budget.mode(layer) == RESIDENT:
-            # The memory budget's plan: this layer's saved tensors stay on the device, and
-            # it is not recomputed (its random ops run once, as checkpointing's replay does).
-            return function(*args)
         function, args = _hidden_states_as_positional(function, args)
-        if budget.measuring():
-            function = budget.measure(layer, function)
         tensors = [a for a in args
                    if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter)]
+        if budget.mode(layer) == RESIDENT:
+            # The memory budget's plan: this layer's saved tensors stay on the device, and it
+            # is not recomputed (its random ops run once, as checkpointing's replay does). It
+            # is a group all the same (its input is offloaded if saved): the tensors saved
+            # after the last group are the model's head, and a resident layer's are not.
+            with ckpt_offload.mark_checkpoint_inputs(*tensors):
+                return function(*args)
+        if budget.measuring():
+            function = budget.measure(layer, function)
         if not tensors:
             self._warn_untaggable(layer, function)
         kwargs.pop("use_reentrant", None)
