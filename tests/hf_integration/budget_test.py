@@ -147,7 +147,8 @@ def test_lora_plans_are_bit_identical():
 def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one():
     """Lengths vary (as with packing): a step longer than every one measured so far is
     measured (every layer checkpointed); any other is planned from the shortest measured
-    step at least as long. The predicted peak never exceeds the budget, and bounds the
+    step at least as long, with room kept for its largest block when its length differs
+    from the previous step's. The predicted peak never exceeds the budget, and bounds the
     planned step's measured peak."""
     lengths = [32, 32, 32, 64, 64, 96, 32, 96, 128, 64, 48]
     measuring_steps = {2, 4, 6, 9}
@@ -159,7 +160,7 @@ def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one(
     handle = enable_activation_offload(model, memory_budget=budget, **HOST)
     model.train()
     torch.manual_seed(11)
-    losses, grads, resident_by_length = [], [], {}
+    losses, grads, resident = [], [], {}
     for step, ids in enumerate(batches(lengths), start=1):
         model.zero_grad(set_to_none=True)
         planned = step > 1 and step not in measuring_steps
@@ -176,15 +177,18 @@ def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one(
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         assert stats["budget_measuring"] == int(step in measuring_steps), step
         if planned:
+            changed = lengths[step - 1] != lengths[step - 2]
             assert stats["budget_tokens"] == ids.numel()
-            assert stats["budget_predicted_peak_bytes"] <= budget
+            assert (stats["budget_reserve_bytes"] > 0) == changed, step
+            assert stats["budget_predicted_peak_bytes"] + stats["budget_reserve_bytes"] <= budget
             assert meter.peak() <= stats["budget_predicted_peak_bytes"], step
-            resident_by_length[ids.shape[1]] = stats["budget_resident_layers"]
+            resident[(ids.shape[1], changed)] = stats["budget_resident_layers"]
     assert_identical(expected, (losses, grads))
     assert sorted(handle._budget.measurements) == [64, 128, 192, 256]
-    assert resident_by_length[32] == 4
-    counts = [resident_by_length[n] for n in sorted(resident_by_length)]
-    assert counts == sorted(counts, reverse=True) and counts[0] > counts[-1], resident_by_length
+    assert resident[(32, False)] == 4
+    assert resident[(32, True)] < resident[(32, False)]
+    after_a_change = [resident[(n, True)] for n in (32, 48, 64, 96)]
+    assert after_a_change == sorted(after_a_change, reverse=True), resident
     handle.disable()
 
 

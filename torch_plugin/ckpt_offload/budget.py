@@ -27,6 +27,14 @@ reserved peak rose 4 GiB above the allocated one at a 33 GiB cap, and a 40 GiB c
 of memory). Each still forms an (empty) offload group, so that what is saved after the last
 layer, and only that, is taken for the model's head.
 
+Lengths that change. A step whose length differs from the previous step's allocates into
+segments the allocator cut for the other length, and the largest block it asks for (a
+language model's float32 logits) may find no free piece big enough while reserved memory is
+at the cap: on the H200, 5 of 60 steps of random lengths ran out of memory that way with
+plans whose allocated peak was within the budget. Such a step is planned with room for that
+block kept free (`reserve_bytes`): resident layers must fit beside the peak plus the
+reserve.
+
 Time. Each resident layer saves its recompute. Decoder layers of one model cost the same, so
 the plan is the longest run of last layers that fits; a layer whose measured recompute
 saved nothing (a time of 0: never recomputed) is not worth its bytes and stops the run.
@@ -66,13 +74,17 @@ class StepMeasurement:
     tokens: its tokens (batch x sequence length); layers: its checkpointed layers in forward
     order; peak_bytes: the device memory allocated at its peak (weights, gradients and
     optimizer state included); activation_peak_bytes: that peak above what was allocated
-    when it began (what grows with tokens); step_seconds: its time."""
+    when it began (what grows with tokens); step_seconds: its time;
+    largest_block_bytes_per_token: see below."""
 
     tokens: int
     layers: Tuple[LayerCost, ...]
     peak_bytes: int
     activation_peak_bytes: int
     step_seconds: float = 0.0
+    # The largest single block per token the step allocates, as far as known (a language
+    # model's float32 logits; 0: unknown), for reserves (see "Lengths that change").
+    largest_block_bytes_per_token: float = 0.0
 
     def __post_init__(self):
         if self.tokens <= 0:
@@ -93,6 +105,8 @@ class LayerPlan:
     predicted_seconds_saved: float
     # The same step with every layer checkpointed, as predicted from the measurement.
     checkpointed_peak_bytes: int
+    # Kept free beside the predicted peak (see "Lengths that change").
+    reserve_bytes: int = 0
 
     def count(self, mode: str) -> int:
         return sum(m == mode for m in self.modes)
@@ -120,14 +134,18 @@ def checkpointed_peak(measured: StepMeasurement, tokens: int) -> int:
     return int(measured.peak_bytes + growth)
 
 
-def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int) -> LayerPlan:
+def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int,
+                reserve_bytes: int = 0) -> LayerPlan:
     """The plan for a step of `tokens` tokens under `budget_bytes` of device memory: the
-    longest run of last layers whose saved tensors fit beside the checkpointed step's peak.
-    Its predicted peak never exceeds the budget unless the checkpointed step alone does."""
+    longest run of last layers whose saved tensors fit beside the checkpointed step's peak
+    and `reserve_bytes` kept free. Its predicted peak plus the reserve never exceeds the
+    budget unless the checkpointed step's alone does (then no layer is resident)."""
     if tokens <= 0:
         raise ValueError(f"tokens: must be > 0, got {tokens}")
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes: must be > 0, got {budget_bytes}")
+    if reserve_bytes < 0:
+        raise ValueError(f"reserve_bytes: must be >= 0, got {reserve_bytes}")
     base = checkpointed_peak(measured, tokens)
     modes: List[str] = [CHECKPOINT] * len(measured.layers)
     peak, saved = base, 0.0
@@ -136,21 +154,14 @@ def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int) -> La
         if layer.recompute_seconds_per_token <= 0:
             break
         extra = layer.saved_bytes_per_token * tokens * (1.0 + ROUNDING_MARGIN)
-        if peak + extra > budget_bytes:
+        if peak + extra + reserve_bytes > budget_bytes:
             break
         peak += extra
         saved += layer.recompute_seconds_per_token * tokens
         modes[index] = RESIDENT
     return LayerPlan(tokens=tokens, budget_bytes=int(budget_bytes), modes=tuple(modes),
                      predicted_peak_bytes=int(peak), predicted_seconds_saved=saved,
-                     checkpointed_peak_bytes=base)
-
-
-def resident_layers_for(measured: StepMeasurement, tokens: int, spare_bytes: int) -> int:
-    """How many layers `spare_bytes` more device memory than the measured step's peak would
-    run without checkpointing at `tokens` (for advice when no budget is set)."""
-    plan = plan_layers(measured, tokens, checkpointed_peak(measured, tokens) + spare_bytes)
-    return plan.count(RESIDENT)
+                     checkpointed_peak_bytes=base, reserve_bytes=int(reserve_bytes))
 
 
 def plan_summary(plan: LayerPlan) -> Dict[str, float]:
@@ -162,6 +173,7 @@ def plan_summary(plan: LayerPlan) -> Dict[str, float]:
         "budget_tokens": plan.tokens,
         "budget_predicted_peak_bytes": plan.predicted_peak_bytes,
         "budget_predicted_saved_ms": plan.predicted_seconds_saved * 1e3,
+        "budget_reserve_bytes": plan.reserve_bytes,
     }
 
 

@@ -16,7 +16,10 @@ Steps, counted from 1 after installation:
   that materializes its scores), never shrink, so the longer step's figures bound the
   shorter one's. The layers the plan makes resident run without checkpointing (their
   GradientCheckpointingLayer calls the function directly); the others are checkpointed with
-  their inputs offloaded.
+  their inputs offloaded. A step whose length differs from the previous step's is planned
+  with room kept free for its largest block (ckpt_offload.budget, "Lengths that change"):
+  the LM head's float32 logits (vocabulary x 4 bytes per token), bounded by the measured
+  head stretch's peak (small with a fused loss, which makes no logits).
 
 A layer that its model's own settings do not checkpoint (every_n_layers, a per-layer flag)
 never reaches the checkpoint function: it is resident already, inside the measured peak,
@@ -50,7 +53,7 @@ MEASURED_STEP = 2
 # stats() keys of a budget (zeros until a plan exists).
 STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_checkpointed_layers",
              "budget_tokens", "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
-             "budget_measured_peak_bytes", "budget_measuring")
+             "budget_reserve_bytes", "budget_measured_peak_bytes", "budget_measuring")
 
 
 def device_memory_bytes() -> Optional[int]:
@@ -111,7 +114,9 @@ class LayerBudget:
         self.plan: Optional[LayerPlan] = None  # the running step's
         self.latest_plan: Optional[LayerPlan] = None
         self.measured_peak_bytes = 0  # reserved by the end of the latest planned step
-        self._plans: Dict[int, LayerPlan] = {}
+        self._plans: Dict[tuple, LayerPlan] = {}  # by (tokens, length changed)
+        self._previous_tokens = 0
+        self._vocab = _output_vocab(handle.model)
         self._probes: Optional[Dict[nn.Module, _LayerProbe]] = None
         self._seen: Dict[int, Any] = {}  # address -> (weak ref, first layer) in the measured step
         self._measured_tokens = 0
@@ -135,6 +140,8 @@ class LayerBudget:
             self.measured_peak_bytes = max(torch.cuda.max_memory_reserved(),
                                            torch.cuda.memory_reserved())
         self.plan = None
+        changed = tokens != self._previous_tokens
+        self._previous_tokens = tokens
         if micro_step < MEASURED_STEP or tokens <= 0:
             return
         if self.value is None:
@@ -145,9 +152,10 @@ class LayerBudget:
         if not covering:
             self._start_measurement(micro_step, tokens)
             return
-        plan = self._plans.get(tokens)
+        plan = self._plans.get((tokens, changed))
         if plan is None:
-            plan = self._plans[tokens] = self._plan_for(self.measurements[min(covering)], tokens)
+            plan = self._plans[(tokens, changed)] = self._plan_for(
+                self.measurements[min(covering)], tokens, changed)
         self.plan = self.latest_plan = plan
         if self._cuda and not self.handle._peak.withheld:
             torch.cuda.reset_peak_memory_stats()
@@ -231,7 +239,8 @@ class LayerBudget:
         peak = self._allocated_at_start + activation_peak
         measured = StepMeasurement(
             tokens=self._measured_tokens, layers=tuple(layers), peak_bytes=int(peak),
-            activation_peak_bytes=int(activation_peak), step_seconds=step_seconds)
+            activation_peak_bytes=int(activation_peak), step_seconds=step_seconds,
+            largest_block_bytes_per_token=self._largest_block_per_token(activation_peak))
         self.measurements[measured.tokens] = measured
         self._report_measurement(measured, probes)
 
@@ -246,16 +255,28 @@ class LayerBudget:
             return max(0, torch.cuda.max_memory_allocated() - self._allocated_at_start)
         return sum(cost.saved_bytes_per_token for cost in layers) * self._measured_tokens
 
-    def _plan_for(self, measured: StepMeasurement, tokens: int) -> LayerPlan:
+    def _largest_block_per_token(self, activation_peak: float) -> float:
+        """The LM head's float32 logits per token, bounded by the measured step's head
+        stretch (the peak breakdown's head_loss_bytes, else its activation peak)."""
+        breakdown = self.handle._peak.result
+        head = activation_peak
+        if breakdown is not None and breakdown.get("micro_step") == self.handle._micro_steps:
+            head = breakdown["head_loss_bytes"]
+        logits = 4 * self._vocab if self._vocab else head / self._measured_tokens
+        return min(logits, head / self._measured_tokens)
+
+    def _plan_for(self, measured: StepMeasurement, tokens: int, changed: bool) -> LayerPlan:
         budget = parse_memory_budget(self.value, device_memory_bytes())
         if budget is None:  # "auto" or a fraction without CUDA: the measured step's own peak
             budget = checkpointed_peak(measured, tokens)
             self._say("no_device", "ckpt_offload.hf: memory_budget=%r needs a CUDA device to "
                       "size it; without one the plan keeps the measured step's peak", self.value)
-        plan = plan_layers(measured, tokens, budget)
-        self._say(("plan", tokens), "ckpt_offload.hf: memory budget, %d tokens per micro-step: "
-                  "%s; predicted to save %.1f ms of recompute", tokens, plan.describe(),
-                  plan.predicted_seconds_saved * 1e3)
+        reserve = int(measured.largest_block_bytes_per_token * tokens) if changed else 0
+        plan = plan_layers(measured, tokens, budget, reserve)
+        self._say(("plan", tokens, changed), "ckpt_offload.hf: memory budget, %d tokens per "
+                  "micro-step%s: %s; predicted to save %.1f ms of recompute", tokens,
+                  " (length changed: %.2f GiB kept free)" % (reserve / GIB) if reserve else "",
+                  plan.describe(), plan.predicted_seconds_saved * 1e3)
         if not plan.fits:
             self._say("over", "ckpt_offload.hf: memory_budget=%r is below what the step needs "
                       "with every layer checkpointed; every layer stays checkpointed", self.value)
@@ -306,3 +327,18 @@ class LayerBudget:
         if key not in self._said:
             self._said.add(key)
             logger.info(message, *args)
+
+
+def _output_vocab(model: nn.Module) -> int:
+    """The output size of the model's LM head (its output embeddings), or 0 when it has none."""
+    for module in model.modules():
+        getter = getattr(module, "get_output_embeddings", None)
+        if getter is None:
+            continue
+        try:
+            head = getter()
+        except (NotImplementedError, AttributeError):
+            continue
+        if isinstance(head, nn.Linear):
+            return head.out_features
+    return 0
