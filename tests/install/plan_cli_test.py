@@ -205,3 +205,49 @@ def test_the_api_without_torch_names_what_to_install():
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("ModuleNotFoundError: ckpt_offload needs torch"), result.stderr
     assert "pip install 'torch>=" in last and "--no-build-isolation" in last
+
+
+# --memory_budget: the budget policy on the planner's shape.
+
+
+def test_memory_budget_plan_from_measured_figures():
+    """The H200 run at an 80 GiB cap (benchmarks/results/2026-12-04_h200_budget): the step's
+    checkpointed peak 27.5 GiB, 2.25 GiB and 12.1 ms per layer; the run chose 21 resident
+    layers, allocated 74.9 GiB and stepped in 1099.6 ms of checkpointing's 1351.5."""
+    out = run("--preset=llama-8b", "--seq=8192", "--memory_budget=auto", "--device_gib=80",
+              "--step_peak_gib=27.5", "--layer_gib=2.25", "--layer_ms=12.1",
+              "--step_ms=1351.5").stdout
+    assert "memory budget 76.00 GiB" in out
+    assert "21 layers without checkpointing, 11 checkpointed" in out
+    figures = json.loads(run("--preset=llama-8b", "--seq=8192", "--memory-budget=auto",
+                             "--device-gib=80", "--step_peak_gib=27.5", "--layer_gib=2.25",
+                             "--layer_ms=12.1", "--step_ms=1351.5", "--json").stdout)
+    budget = figures["memory_budget"]
+    assert budget["resident_layers"] == 21 and figures["layers"] == 32
+    assert abs(budget["predicted_peak_bytes"] / 2**30 - 74.9) < 1.0
+    assert abs(budget["predicted_step_ms"] / 1099.6 - 1) < 0.05
+
+
+def test_memory_budget_estimates_a_layer_from_the_shape():
+    figures = json.loads(run("--preset=llama-8b", "--seq=8192", "--memory_budget=200GiB",
+                             "--step_peak_gib=27.5", "--json").stdout)["memory_budget"]
+    assert figures["layer_bytes_estimated"]
+    assert abs(figures["layer_bytes"] / 2**30 - 2.25) < 0.01
+    assert figures["resident_layers"] == 32
+    small = json.loads(run("--preset=llama-8b", "--seq=8192", "--memory_budget=20GiB",
+                           "--step_peak_gib=27.5", "--json").stdout)["memory_budget"]
+    assert small["resident_layers"] == 0 and not small["fits"]
+
+
+@pytest.mark.parametrize("args, flag", [
+    (["--memory_budget=80GiB"], "--step_peak_gib"),
+    (["--memory_budget=auto", "--step_peak_gib=27"], "--device_gib"),
+    (["--memory_budget=0.5", "--step_peak_gib=27"], "--device_gib"),
+    (["--memory_budget=lots", "--step_peak_gib=27"], "--memory_budget"),
+    (["--memory_budget=80GiB", "--step_peak_gib=-1"], "--step_peak_gib"),
+    (["--layer_gib=2"], "--memory_budget"),
+])
+def test_memory_budget_flags_are_checked_naming_the_flag(args, flag):
+    result = run("--preset=llama-8b", "--seq=8192", *args, check=False)
+    assert result.returncode == 2
+    assert flag in result.stderr

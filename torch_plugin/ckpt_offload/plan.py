@@ -3,12 +3,20 @@
     python -m ckpt_offload.plan --config path/to/config.json --seq 32768 --batch 1 \\
         --gpus_per_node 8 --host_ram 2TiB [--json]
     python -m ckpt_offload.plan --preset llama-70b --seq 131072
+    python -m ckpt_offload.plan --preset llama-8b --seq 8192 --memory_budget 80GiB \
+        --step_peak_gib 27.5 [--layer_gib 2.25 --layer_ms 12.1 --step_ms 1351]
 
 Takes offload_plan's flags (`--help` lists them) plus `--config`: a local Hugging Face
 config.json, or a directory holding one, whose shape (layers, hidden, ffn, heads, kv_heads)
 and dtype fill in the flags not given. Everything else is the C++ planner's
 (ckpt_offload._plan, offload_core/planner.h): the same flag checks, figures and output as
 `bazel run //offload_core:offload_plan`. Nothing is read from the network.
+
+With --memory_budget, a section follows: how many layers a step of that length runs without
+checkpointing under the budget (ckpt_offload.budget's policy, as memory_budget plans it at run
+time), its predicted peak and step time. Figures that stats() and the Trainer log report
+after a run (budget measured, per layer) make it exact; without them a layer's saved bytes
+are estimated from the shape and its recompute is the planner's forward time.
 
 Exit status: 0, 2 for a bad flag or config (the message names it), 1 when planning failed.
 """
@@ -34,7 +42,26 @@ CONFIG_USAGE = """
 Also (python -m ckpt_offload.plan only):
   --config=PATH             a Hugging Face config.json (or its directory): fills the
                             shape flags and --dtype that are not given, and --name
+  --memory_budget=SIZE      plan a memory budget: a size (80GiB), a fraction of
+                            --device_gib (0.9), or auto (95 % of --device_gib)
+  --device_gib=N            the device's memory, for auto and fractions
+  --step_peak_gib=N         the step's peak with every layer checkpointed (weights
+                            included): required with --memory_budget
+  --layer_gib=N             one layer's saved tensors (default: estimated from the shape)
+  --layer_ms=N              one layer's recompute (default: the planner's forward time)
+  --step_ms=N               the checkpointed step's time (default: the simulated step)
 """
+
+# The flags python -m ckpt_offload.plan reads for a memory budget (the others go to the planner).
+BUDGET_FLAGS = ("memory_budget", "device_gib", "step_peak_gib", "layer_gib", "layer_ms",
+                "step_ms")
+
+# A decoder layer's saved bytes per token in bf16 (twice that in fp32): 44 x hidden + 8 x ffn.
+# Calibrated on the Llama-3.1-8B shape measured by memory_budget on the H200 (LoRA r=16,
+# sdpa, bf16: 2.25 GiB per layer at 8192 tokens); other shapes are an estimate.
+SAVED_HIDDEN_FACTOR, SAVED_FFN_FACTOR = 44, 8
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+GIB = float(1 << 30)
 
 
 class ConfigError(ValueError):
@@ -119,14 +146,127 @@ def planner_args(args: List[str]) -> List[str]:
             if flag not in given] + rest
 
 
+def _split_budget_flags(args: List[str]) -> tuple[Dict[str, str], List[str]]:
+    """(the budget flags given, by name with "-" read as "_", the other arguments)."""
+    budget, rest, i = {}, [], 0
+    while i < len(args):
+        name = _flag_name(args[i]).replace("-", "_")
+        if name in BUDGET_FLAGS:
+            if "=" in args[i]:
+                value = args[i].split("=", 1)[1]
+            elif i + 1 < len(args):
+                i += 1
+                value = args[i]
+            else:
+                raise ConfigError(f"--{name} needs a value")
+            budget[name] = value
+        else:
+            rest.append(args[i])
+        i += 1
+    return budget, rest
+
+
+def _positive(flags: Dict[str, str], name: str) -> Optional[float]:
+    if name not in flags:
+        return None
+    try:
+        value = float(flags[name])
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ConfigError(f"--{name}: must be a positive number, got {flags[name]!r}")
+    return value
+
+
+def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
+    """The memory-budget figures for the planner's JSON `plan` and the budget flags."""
+    from ckpt_offload.budget import RESIDENT, plan_layers, uniform_measurement
+    from ckpt_offload.config import parse_memory_budget
+
+    device_gib = _positive(flags, "device_gib")
+    step_peak_gib = _positive(flags, "step_peak_gib")
+    if "memory_budget" not in flags:
+        raise ConfigError("--memory_budget: needed with --" + next(iter(flags)))
+    if step_peak_gib is None:
+        raise ConfigError("--step_peak_gib: required with --memory_budget (the step's peak "
+                          "with every layer checkpointed: stats()' peak, or the Trainer log)")
+    value = flags["memory_budget"]
+    try:
+        number = float(value)
+    except ValueError:
+        number = None
+    if number is not None and "." in value:
+        value = number
+    elif number is not None:
+        value = int(number)
+    device = int(device_gib * GIB) if device_gib else None
+    budget = parse_memory_budget(value, device, field="--memory_budget")
+    if budget is None:
+        raise ConfigError(f"--device_gib: needed for --memory_budget={flags['memory_budget']}")
+    tokens = plan["tokens"]
+    layer_gib = _positive(flags, "layer_gib")
+    estimated = layer_gib is None
+    if estimated:
+        element = DTYPE_BYTES[plan["dtype"]] / 2
+        per_token = SAVED_HIDDEN_FACTOR * plan["hidden"] + SAVED_FFN_FACTOR * plan["ffn"]
+        layer_gib = per_token * element * tokens / GIB
+    layer_ms = _positive(flags, "layer_ms") or plan["forward_s_per_layer"] * 1e3
+    step_ms = _positive(flags, "step_ms") or plan["simulated_step_s"] * 1e3
+    measured = uniform_measurement(
+        plan["layers"], tokens, layer_gib * GIB / tokens, layer_ms / 1e3 / tokens,
+        peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0)
+    layer_plan = plan_layers(measured, tokens, budget)
+    resident = layer_plan.count(RESIDENT)
+    return {
+        "budget_bytes": budget, "layer_bytes": int(layer_gib * GIB),
+        "layer_bytes_estimated": estimated, "recompute_ms_per_layer": layer_ms,
+        "resident_layers": resident, "checkpointed_layers": len(layer_plan.modes) - resident,
+        "predicted_peak_bytes": layer_plan.predicted_peak_bytes,
+        "checkpointed_step_ms": step_ms,
+        "predicted_step_ms": step_ms - layer_plan.predicted_seconds_saved * 1e3,
+        "fits": layer_plan.fits,
+    }
+
+
+def budget_text(section: Dict, step_peak_gib: float) -> str:
+    layer = section["layer_bytes"] / GIB
+    source = ("estimated from the shape" if section["layer_bytes_estimated"]
+              else "given")
+    lines = [
+        "",
+        f"memory budget {section['budget_bytes'] / GIB:.2f} GiB",
+        f"  a layer's saved tensors       {layer:.2f} GiB ({source})",
+        f"  recompute per layer           {section['recompute_ms_per_layer']:.2f} ms",
+        f"  plan                          {section['resident_layers']} layers without "
+        f"checkpointing, {section['checkpointed_layers']} checkpointed",
+        f"  predicted peak                {section['predicted_peak_bytes'] / GIB:.2f} GiB "
+        f"(checkpointed step {step_peak_gib:.2f} GiB)",
+        f"  predicted step                {section['predicted_step_ms']:.1f} ms "
+        f"(checkpointed {section['checkpointed_step_ms']:.1f} ms, "
+        f"{section['predicted_step_ms'] / section['checkpointed_step_ms']:.3f}x)",
+    ]
+    if not section["fits"]:
+        lines.append("  the checkpointed step alone is over the budget: every layer stays "
+                     "checkpointed")
+    return "\n".join(lines) + "\n"
+
+
 def run(args: List[str]) -> str:
     """The planner's output for `args`; ValueError (naming the flag) for a bad one."""
     from ckpt_offload import _plan
 
-    text = _plan.run(planner_args(args))
+    budget_flags, args = _split_budget_flags(args)
     if any(a in ("-h", "--help") or a.startswith("--help=") for a in args):
-        text += CONFIG_USAGE
-    return text
+        return _plan.run(planner_args(args)) + CONFIG_USAGE
+    if not budget_flags:
+        return _plan.run(planner_args(args))
+    as_json = "--json" in args or any(a.startswith("--json=") for a in args)
+    base = [a for a in planner_args(args) if a != "--json" and not a.startswith("--json=")]
+    plan = json.loads(_plan.run(base + ["--json"]))
+    section = budget_section(budget_flags, plan)
+    if as_json:
+        return json.dumps({**plan, "memory_budget": section}) + "\n"
+    return _plan.run(base) + budget_text(section, float(budget_flags["step_peak_gib"]))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
