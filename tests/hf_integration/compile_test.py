@@ -157,3 +157,39 @@ def test_cuda_graph_modes_are_left_out_and_said_once(caplog, mode, kept):
     assert len(notices) == 1
     first.remove()
     second.remove()
+
+
+def test_memory_budget_plans_under_regional_compile_are_bit_identical():
+    """compile=True with a memory budget: the plan runs the compiled layers (resident ones
+    directly, their recomputes measured in step 2) without a graph break, bit-identical to
+    the same regional compile without offload, with every layer resident and with some."""
+    ids = torch.randint(3, 128, (2, 32), generator=torch.Generator().manual_seed(5))
+
+    def checkpointed():
+        model = tiny_llama()
+        model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        return model
+
+    reference = checkpointed()
+    compile_regions(reference)
+    expected = [loss_and_grads(reference, reference, ids) for _ in range(4)]
+
+    model = checkpointed()
+    handle = enable_activation_offload(model, compile=True, memory_budget="1TiB", **HOST)
+    for step in expected:
+        assert_same(loss_and_grads(model, model, ids), step)
+    assert handle.layer_modes() == ["resident"] * LAYERS
+    measured = handle._budget.measurement
+    handle.disable()
+
+    layer = max(c.saved_bytes_per_token for c in measured.layers) * measured.tokens
+    model = checkpointed()
+    handle = enable_activation_offload(model, compile=True, **HOST,
+                                       memory_budget=int(measured.peak_bytes + 2.5 * layer))
+    for step in expected:
+        assert_same(loss_and_grads(model, model, ids), step)
+    assert handle.layer_modes() == ["checkpoint"] * (LAYERS - 2) + ["resident"] * 2
+    assert graph_breaks() == 0, dict(counters["graph_break"])
+    handle.disable()
