@@ -137,8 +137,9 @@ class LayerBudget:
         if self._probes is not None:
             self._finish_measurement()
         elif self.plan is not None and self._cuda:
-            self.measured_peak_bytes = max(torch.cuda.max_memory_reserved(),
-                                           torch.cuda.memory_reserved())
+            # Reserved memory only grows unless someone empties the cache: what is reserved
+            # now covers the step's peak. (The allocator's peak counters are the user's.)
+            self.measured_peak_bytes = torch.cuda.memory_reserved()
         self.plan = None
         changed = tokens != self._previous_tokens
         self._previous_tokens = tokens
@@ -157,8 +158,6 @@ class LayerBudget:
             plan = self._plans[(tokens, changed)] = self._plan_for(
                 self.measurements[min(covering)], tokens, changed)
         self.plan = self.latest_plan = plan
-        if self._cuda and not self.handle._peak.withheld:
-            torch.cuda.reset_peak_memory_stats()
 
     def mode(self, layer: Optional[nn.Module]) -> str:
         """The running step's mode for `layer` (CHECKPOINT without a plan)."""
