@@ -1,21 +1,34 @@
 """memory_budget on tiny Llamas (CPU, host backend): the measured step, the plan each later
 step runs, bit-identical losses and gradients to full checkpointing in every plan, and a
-predicted peak that bounds the measured one."""
+predicted peak that bounds the measured one.
 
+Times are read from a clock that ticks once per reading (the `ticking_clock` fixture), so
+that every run of a test measures the same figures and plans alike."""
+
+import itertools
 import logging
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ckpt_offload.budget import CHECKPOINT, RESIDENT, checkpointed_peak, plan_layers
+from ckpt_offload.budget import (CHECKPOINT, RESIDENT, SELECTIVE, LayerPlan,
+                                 checkpointed_peak, plan_layers)
 from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
+from ckpt_offload.hf import layer_budget
 from ckpt_offload.hf.layer_budget import MEASURED_STEP
 from ckpt_offload.hf.peak import LiveTensorMeter
 from tiny import HOST, VOCAB, assert_same_weights, tiny_llama, tiny_lora, train
 
 LAYERS = 6
 STEPS = 5
+
+
+@pytest.fixture(autouse=True)
+def ticking_clock(monkeypatch):
+    ticks = itertools.count()  # whole numbers: differences exact at any reading
+    monkeypatch.setattr(layer_budget, "_clock", lambda: float(next(ticks)))
 
 
 def llama(dropout: float = 0.0, layers: int = LAYERS) -> LlamaForCausalLM:
@@ -75,26 +88,45 @@ def measurement_of(make_model, lengths):
     return measured
 
 
-def budget_for(measured, tokens, resident):
+def budget_for(measured, tokens, resident, selective=0):
     """The smallest budget that the step fits with every layer checkpointed and whose plan at
-    `tokens` runs the last `resident` layers resident."""
+    `tokens` runs at least `resident` layers resident and `selective` selective."""
+    def enough(plan):
+        return plan.count(RESIDENT) >= resident and plan.count(SELECTIVE) >= selective
+
     low, high = checkpointed_peak(measured, tokens), 1 << 40
+    if selective:  # layers turn selective before any goes resident (then they may stop)
+        high = budget_for(measured, tokens, 1) - 1
+        assert enough(plan_layers(measured, tokens, high))
     while low < high:
         middle = (low + high) // 2
-        if plan_layers(measured, tokens, middle).count(RESIDENT) >= resident:
+        if enough(plan_layers(measured, tokens, middle)):
             high = middle
         else:
             low = middle + 1
     return low
 
 
-@pytest.mark.parametrize("resident", [0, 2, LAYERS])
+class OpCounter(TorchDispatchMode):
+    """Counts the ops that run while it is entered, by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[str(func)] = self.counts.get(str(func), 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("resident, selective", [(0, 0), (0, 3), (2, 0), (LAYERS, 0)])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_every_plan_is_bit_identical_to_checkpointing(resident, dropout):
+def test_every_plan_is_bit_identical_to_checkpointing(resident, selective, dropout):
     lengths = [32] * STEPS
     measured = measurement_of(lambda: llama(dropout), lengths)
     tokens = 2 * 32
-    budget = budget_for(measured, tokens, resident)
+    budget = budget_for(measured, tokens, resident, selective)
+    plan = plan_layers(measured, tokens, budget)
     expected = run(checkpointed(llama(dropout)), batches(lengths))
 
     model = checkpointed(llama(dropout))
@@ -103,10 +135,15 @@ def test_every_plan_is_bit_identical_to_checkpointing(resident, dropout):
 
     assert_identical(expected, actual)
     modes = handle.layer_modes()
-    assert modes == [CHECKPOINT] * (LAYERS - resident) + [RESIDENT] * resident
+    assert modes == list(plan.modes)
+    assert modes.count(RESIDENT) == resident and modes.count(SELECTIVE) >= selective
+    # Resident layers are the last ones.
+    assert modes[LAYERS - resident:] == [RESIDENT] * resident
     stats = handle.stats()
     assert stats["budget_resident_layers"] == resident
-    assert stats["budget_checkpointed_layers"] == LAYERS - resident
+    assert stats["budget_selective_layers"] == modes.count(SELECTIVE)
+    assert stats["budget_checkpointed_layers"] == modes.count(CHECKPOINT)
+    assert (stats["budget_kept_output_bytes"] > 0) == (SELECTIVE in modes)
     assert stats["budget_predicted_peak_bytes"] <= budget
     assert stats["budget_bytes"] == budget
     # Every layer forms a group, resident ones too; the head's tensors are offloaded after
@@ -114,6 +151,43 @@ def test_every_plan_is_bit_identical_to_checkpointing(resident, dropout):
     assert stats["groups"] == LAYERS
     assert stats["head_offloaded_tensors"] > 0
     handle.disable()
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2])
+def test_selective_layers_skip_their_kept_ops_in_the_recompute(dropout):
+    """A plan whose layers keep their matrix multiplies' outputs: each layer's recompute
+    runs its other ops only, and losses and gradients stay bit-identical (dropout's draws
+    replay in order around the kept ops)."""
+    lengths = [32] * STEPS
+    kept = frozenset(("aten.mm.default", i) for i in range(4))  # q, k, v, o projections
+    plan = LayerPlan(tokens=64, budget_bytes=1 << 40, modes=(SELECTIVE,) * LAYERS,
+                     predicted_peak_bytes=0, predicted_seconds_saved=0.0,
+                     checkpointed_peak_bytes=0, kept_outputs=(kept,) * LAYERS)
+
+    def backward_ops(handle=None):
+        model = checkpointed(llama(dropout))
+        if handle is not None:
+            handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+            handle._budget._plans[(64, False)] = plan
+        losses, grads, counts = [], [], []
+        torch.manual_seed(11)
+        model.train()
+        for ids in batches(lengths):
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            counter = OpCounter()
+            with counter:
+                loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            counts.append(counter.counts.get("aten.mm.default", 0))
+        return (losses, grads), counts
+
+    expected, plain_counts = backward_ops()
+    actual, counts = backward_ops(handle=True)
+    assert_identical(expected, actual)
+    assert counts[:2] == plain_counts[:2]  # checkpointed, then measured
+    assert counts[2:] == [c - 4 * LAYERS for c in plain_counts[2:]]
 
 
 def test_steps_before_the_plan_checkpoint_every_layer():
@@ -140,7 +214,9 @@ def test_lora_plans_are_bit_identical():
     handle = enable_activation_offload(model, memory_budget=budget, **HOST)
     actual = run(model, batches(lengths), handle)
     assert_identical(expected, actual)
-    assert handle.layer_modes() == [CHECKPOINT, CHECKPOINT, RESIDENT, RESIDENT]
+    modes = handle.layer_modes()
+    assert modes == list(plan_layers(measured, 64, budget).modes)
+    assert modes[2:] == [RESIDENT, RESIDENT] and RESIDENT not in modes[:2]
     handle.disable()
 
 

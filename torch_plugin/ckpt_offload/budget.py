@@ -1,24 +1,29 @@
-"""The memory-budget policy: which checkpointed layers a step can afford to run without
-checkpointing, from what one step measured and how much device memory a step may use.
+"""The memory-budget policy: how a step spends device memory that checkpointing leaves
+free, layer by layer, from what one step measured and how much device memory a step may use.
 
-Each checkpointed layer runs in one of two modes:
+Each checkpointed layer runs in one of three modes:
 
   CHECKPOINT  checkpointed, its input offloaded (ckpt_offload's default): nothing of it
               stays on the device between its forward and its backward; its backward
               recomputes its forward first.
+  SELECTIVE   checkpointed, its input offloaded, and the outputs of chosen ops of its
+              forward (its *kept outputs*) stay on the device for the recompute, which
+              skips those ops and recomputes the rest.
   RESIDENT    not checkpointed: its saved tensors stay on the device from its forward to
               its backward, and its backward recomputes nothing.
 
 Costs come from a measured step (every layer checkpointed): each layer's saved bytes and
-recompute time (counted while its recompute runs), the step's tokens, and its peak. A step of
+recompute time (counted while its recompute runs), each op of its recompute that could be
+kept (its output's bytes and its own time), the step's tokens, and its peak. A step of
 `t` tokens is planned from a measured step of at least `t` tokens, its per-token figures
 applied to `t` (bytes per token grow with length where attention materializes its scores,
 and never shrink, so a longer step's figures bound a shorter one's); plan_layers also
 accepts a shorter measurement and then grows the measured peak linearly with tokens.
 
-Memory. A resident layer's saved tensors are live from its forward to its backward, so at the
-end of the forward (where the head's loss runs) every resident layer's are live at once. The
-plan counts all of them on top of the whole measured step's peak: an upper bound.
+Memory. A resident layer's saved tensors, and a selective layer's kept outputs, are live
+from its forward to its backward (its recompute), so at the end of the forward (where the
+head's loss runs) all of them are live at once. The plan counts all of them on top of the
+whole measured step's peak: an upper bound.
 
 Order. The resident layers are the last ones: backward frees them first, so every
 checkpointed layer's recompute runs without them, and they leave the allocator's segments
@@ -35,19 +40,35 @@ plans whose allocated peak was within the budget. Such a step is planned with ro
 block kept free (`reserve_bytes`): resident layers must fit beside the peak plus the
 reserve.
 
-Time. Each resident layer saves its recompute. Decoder layers of one model cost the same, so
-the plan is the longest run of last layers that fits; a layer whose measured recompute
-saved nothing (a time of 0: never recomputed) is not worth its bytes and stops the run.
+Time. A resident layer saves its whole recompute; a selective one the time of the ops it
+keeps. Per byte, some ops are worth far more than the whole layer (attention and the
+projections beside it: much time, small outputs), so each layer's choices form a curve of
+recompute saved against bytes kept: its ops ranked by time per byte, then the whole layer.
+The policy walks the upper concave hull of each layer's curve (a point below it is never the
+best use of its bytes) and spends the budget greedily on the steepest next step of any
+layer, the last layers first among equals. It never takes a step that does not fit; a
+layer whose step did not fit takes no further one. A resident layer is one whose walk went
+to the end, and only the last layers may: a layer goes resident only after every layer
+after it did. A layer whose measured recompute saved nothing (a time of 0: never
+recomputed) is not worth its bytes: it stays checkpointed, and no layer before it goes
+resident. Without kept-output candidates (none measured) the plan is the longest run of
+last layers that fits.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Tuple
+import math
+from typing import Dict, FrozenSet, List, Optional, Tuple
 
 CHECKPOINT = "checkpoint"
+SELECTIVE = "selective"
 RESIDENT = "resident"
-MODES = (CHECKPOINT, RESIDENT)
+MODES = (CHECKPOINT, SELECTIVE, RESIDENT)
+
+# An op of a layer's forward: its name and its ordinal among that op's calls in the forward
+# (("aten.mm.default", 3): the layer's fourth matrix multiply).
+OpKey = Tuple[str, int]
 
 # Share of a plan's resident bytes added for the caching allocator's rounding (block sizes,
 # segments): the plan is held against reserved memory, the measurement is of allocations.
@@ -55,16 +76,35 @@ ROUNDING_MARGIN = 0.02
 
 
 @dataclasses.dataclass(frozen=True)
+class KeptOutput:
+    """An op of a layer's forward whose output could be kept for the recompute: the bytes of
+    its output and the seconds the op takes, per token of the measured step."""
+
+    key: OpKey
+    bytes_per_token: float
+    seconds_per_token: float
+
+    def __post_init__(self):
+        if not self.bytes_per_token >= 0 or not self.seconds_per_token >= 0:
+            raise ValueError(f"KeptOutput: figures must be >= 0, got {self}")
+
+
+@dataclasses.dataclass(frozen=True)
 class LayerCost:
     """One checkpointed layer as measured: the bytes its forward saves and the seconds its
-    recompute takes, per token of the measured step."""
+    recompute takes, per token of the measured step, and the ops whose outputs it could keep
+    (none: the layer is planned as CHECKPOINT or RESIDENT only)."""
 
     saved_bytes_per_token: float
     recompute_seconds_per_token: float
+    outputs: Tuple[KeptOutput, ...] = ()
 
     def __post_init__(self):
         if not self.saved_bytes_per_token >= 0 or not self.recompute_seconds_per_token >= 0:
             raise ValueError(f"LayerCost: figures must be >= 0, got {self}")
+        keys = [output.key for output in self.outputs]
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"LayerCost.outputs: an op appears twice in {keys}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +147,17 @@ class LayerPlan:
     checkpointed_peak_bytes: int
     # Kept free beside the predicted peak (see "Lengths that change").
     reserve_bytes: int = 0
+    # Per layer, the ops whose outputs a SELECTIVE layer keeps (empty for the others).
+    kept_outputs: Tuple[FrozenSet[OpKey], ...] = ()
+    # The bytes those outputs take, all layers together.
+    kept_output_bytes: int = 0
 
     def count(self, mode: str) -> int:
         return sum(m == mode for m in self.modes)
+
+    def kept(self, index: int) -> FrozenSet[OpKey]:
+        """The ops whose outputs layer `index` keeps (empty unless it is SELECTIVE)."""
+        return self.kept_outputs[index] if self.kept_outputs else frozenset()
 
     @property
     def fits(self) -> bool:
@@ -118,8 +166,11 @@ class LayerPlan:
 
     def describe(self) -> str:
         gib = float(1 << 30)
-        text = (f"{self.count(RESIDENT)} of {len(self.modes)} layers without checkpointing, "
-                f"{self.count(CHECKPOINT)} checkpointed; predicted peak "
+        selective = self.count(SELECTIVE)
+        kept = (f", {selective} checkpointed keeping {self.kept_output_bytes / gib:.2f} GiB of "
+                f"op outputs" if selective else "")
+        text = (f"{self.count(RESIDENT)} of {len(self.modes)} layers without checkpointing"
+                f"{kept}, {self.count(CHECKPOINT)} checkpointed; predicted peak "
                 f"{self.predicted_peak_bytes / gib:.2f} GiB of a {self.budget_bytes / gib:.2f} "
                 f"GiB budget")
         if not self.fits:
@@ -134,12 +185,69 @@ def checkpointed_peak(measured: StepMeasurement, tokens: int) -> int:
     return int(measured.peak_bytes + growth)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """One step along a layer's curve: the bytes and seconds it adds (per token), and what
+    the layer keeps once it is taken."""
+
+    bytes_per_token: float
+    seconds_per_token: float
+    kept: FrozenSet[OpKey]
+    resident: bool
+
+    @property
+    def slope(self) -> float:
+        """Seconds saved per byte (infinite for a step that costs no bytes)."""
+        if self.bytes_per_token <= 0:
+            return math.inf
+        return self.seconds_per_token / self.bytes_per_token
+
+
+def layer_steps(layer: LayerCost) -> List[_Step]:
+    """The steps along the upper concave hull of `layer`'s curve (see "Time"): kept outputs
+    ranked by seconds per byte, then the whole layer resident. Empty for a layer whose
+    recompute saved nothing."""
+    whole = (layer.saved_bytes_per_token, layer.recompute_seconds_per_token)
+    if whole[1] <= 0:
+        return []
+    ranked = sorted((o for o in layer.outputs if o.seconds_per_token > 0),
+                    key=lambda o: (-(o.seconds_per_token / o.bytes_per_token
+                                     if o.bytes_per_token > 0 else math.inf), o.key))
+    # (bytes, seconds, kept, resident); a prefix that costs the layer's bytes or saves its
+    # time (timing noise) is no better than the whole layer.
+    points = [(0.0, 0.0, frozenset(), False)]
+    total_bytes = total_seconds = 0.0
+    keys: List[OpKey] = []
+    for output in ranked:
+        total_bytes += output.bytes_per_token
+        total_seconds += output.seconds_per_token
+        keys.append(output.key)
+        if total_bytes >= whole[0] or total_seconds >= whole[1]:
+            break
+        points.append((total_bytes, total_seconds, frozenset(keys), False))
+    points.append((whole[0], whole[1], frozenset(), True))
+    hull: List[tuple] = []
+    for point in points:  # ascending bytes: the upper hull keeps right turns only
+        while len(hull) >= 2 and _not_below(hull[-2], hull[-1], point):
+            hull.pop()
+        hull.append(point)
+    return [_Step(b1 - b0, s1 - s0, kept, resident)
+            for (b0, s0, _, _), (b1, s1, kept, resident) in zip(hull, hull[1:])]
+
+
+def _not_below(a, b, c) -> bool:
+    """Whether `b` lies on or below the segment from `a` to `c` (so `b` leaves the hull)."""
+    return (b[1] - a[1]) * (c[0] - a[0]) <= (c[1] - a[1]) * (b[0] - a[0])
+
+
 def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int,
                 reserve_bytes: int = 0) -> LayerPlan:
-    """The plan for a step of `tokens` tokens under `budget_bytes` of device memory: the
-    longest run of last layers whose saved tensors fit beside the checkpointed step's peak
-    and `reserve_bytes` kept free. Its predicted peak plus the reserve never exceeds the
-    budget unless the checkpointed step's alone does (then no layer is resident)."""
+    """The plan for a step of `tokens` tokens under `budget_bytes` of device memory (see the
+    module's "Time"): each layer's mode and kept outputs, chosen so that resident layers'
+    saved tensors and selective layers' kept outputs fit beside the checkpointed step's
+    peak and `reserve_bytes` kept free. Its predicted peak plus the reserve never exceeds
+    the budget unless the checkpointed step's alone does (then every layer is checkpointed
+    and keeps nothing)."""
     if tokens <= 0:
         raise ValueError(f"tokens: must be > 0, got {tokens}")
     if budget_bytes <= 0:
@@ -147,21 +255,45 @@ def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int,
     if reserve_bytes < 0:
         raise ValueError(f"reserve_bytes: must be >= 0, got {reserve_bytes}")
     base = checkpointed_peak(measured, tokens)
-    modes: List[str] = [CHECKPOINT] * len(measured.layers)
-    peak, saved = base, 0.0
-    for index in reversed(range(len(measured.layers))):
-        layer = measured.layers[index]
-        if layer.recompute_seconds_per_token <= 0:
+    count = len(measured.layers)
+    steps = [layer_steps(layer) for layer in measured.layers]
+    taken = [0] * count
+    stopped = [False] * count
+    resident = [False] * count
+    kept: List[FrozenSet[OpKey]] = [frozenset()] * count
+    peak, saved = float(base), 0.0
+    while True:
+        best: Optional[int] = None
+        for index in reversed(range(count)):  # the last layers first among equals
+            if stopped[index] or taken[index] == len(steps[index]):
+                continue
+            step = steps[index][taken[index]]
+            if step.resident and index + 1 < count and not resident[index + 1]:
+                continue  # only after every later layer went resident
+            if best is None or step.slope > steps[best][taken[best]].slope:
+                best = index
+        if best is None:
             break
-        extra = layer.saved_bytes_per_token * tokens * (1.0 + ROUNDING_MARGIN)
+        step = steps[best][taken[best]]
+        extra = step.bytes_per_token * tokens * (1.0 + ROUNDING_MARGIN)
         if peak + extra + reserve_bytes > budget_bytes:
-            break
+            stopped[best] = True
+            continue
         peak += extra
-        saved += layer.recompute_seconds_per_token * tokens
-        modes[index] = RESIDENT
-    return LayerPlan(tokens=tokens, budget_bytes=int(budget_bytes), modes=tuple(modes),
+        saved += step.seconds_per_token * tokens
+        taken[best] += 1
+        resident[best] = step.resident
+        kept[best] = step.kept
+    modes = tuple(RESIDENT if resident[i] else SELECTIVE if kept[i] else CHECKPOINT
+                  for i in range(count))
+    kept_outputs = tuple(kept[i] if modes[i] == SELECTIVE else frozenset()
+                         for i in range(count))
+    kept_bytes = sum(step.bytes_per_token for i in range(count) if modes[i] == SELECTIVE
+                     for step in steps[i][:taken[i]]) * tokens
+    return LayerPlan(tokens=tokens, budget_bytes=int(budget_bytes), modes=modes,
                      predicted_peak_bytes=int(peak), predicted_seconds_saved=saved,
-                     checkpointed_peak_bytes=base, reserve_bytes=int(reserve_bytes))
+                     checkpointed_peak_bytes=base, reserve_bytes=int(reserve_bytes),
+                     kept_outputs=kept_outputs, kept_output_bytes=int(round(kept_bytes)))
 
 
 def plan_summary(plan: LayerPlan) -> Dict[str, float]:
@@ -169,7 +301,9 @@ def plan_summary(plan: LayerPlan) -> Dict[str, float]:
     return {
         "budget_bytes": plan.budget_bytes,
         "budget_resident_layers": plan.count(RESIDENT),
+        "budget_selective_layers": plan.count(SELECTIVE),
         "budget_checkpointed_layers": plan.count(CHECKPOINT),
+        "budget_kept_output_bytes": plan.kept_output_bytes,
         "budget_tokens": plan.tokens,
         "budget_predicted_peak_bytes": plan.predicted_peak_bytes,
         "budget_predicted_saved_ms": plan.predicted_seconds_saved * 1e3,
@@ -179,9 +313,10 @@ def plan_summary(plan: LayerPlan) -> Dict[str, float]:
 
 def uniform_measurement(num_layers: int, tokens: int, saved_bytes_per_token: float,
                         recompute_seconds_per_token: float, peak_bytes: int,
-                        activation_peak_bytes: int) -> StepMeasurement:
+                        activation_peak_bytes: int,
+                        outputs: Tuple[KeptOutput, ...] = ()) -> StepMeasurement:
     """A measurement of `num_layers` identical layers (the planner's model of a decoder)."""
-    layer = LayerCost(saved_bytes_per_token, recompute_seconds_per_token)
+    layer = LayerCost(saved_bytes_per_token, recompute_seconds_per_token, tuple(outputs))
     return StepMeasurement(tokens=tokens, layers=(layer,) * num_layers, peak_bytes=peak_bytes,
                            activation_peak_bytes=activation_peak_bytes)
 

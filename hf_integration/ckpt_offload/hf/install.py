@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import logging
 import operator
 import warnings
@@ -58,7 +59,7 @@ from ckpt_offload.budget import RESIDENT
 from ckpt_offload.config import INT64_MAX, check_int, make_config
 from ckpt_offload.hf.compile import (
     CompiledRegions, backend_of, enclosing_compiled_module, tell_once)
-from ckpt_offload.hf.layer_budget import LayerBudget
+from ckpt_offload.hf.layer_budget import LayerBudget, keeping
 from ckpt_offload.hf.peak import STAT_KEYS as PEAK_STAT_KEYS
 from ckpt_offload.hf.peak import PeakTracker
 
@@ -76,7 +77,14 @@ _CHECKPOINTING_ATTRS = (
 
 # Keyword options of torch.utils.checkpoint.checkpoint that a wrapped function may carry.
 _TORCH_CHECKPOINT_OPTIONS = (
-    "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+    "preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop",
+    "respect_saved_tensors_hooks")
+
+# Whether this torch's checkpoint asks where selective checkpointing's kept outputs go (from
+# torch 2.15: through saved-tensor hooks or not). A selective layer's kept outputs stay on
+# the device, as they always did: they are the plan's, and the plan counts them there.
+_ASKS_SAC_HOOKS = ("respect_saved_tensors_hooks"
+                   in inspect.signature(torch.utils.checkpoint.checkpoint).parameters)
 
 # Engine figures that describe the host pool and the device right now, or count over the
 # pool's lifetime: read as they are. Peaks: the maximum over micro-steps. Every other figure
@@ -723,12 +731,19 @@ class _OffloadingCheckpoint:
             # after the last group are the model's head, and a resident layer's are not.
             with ckpt_offload.mark_checkpoint_inputs(*tensors):
                 return function(*args)
-        if budget.measuring():
-            function = budget.measure(layer, function)
-        if not tensors:
-            self._warn_untaggable(layer, function)
         kwargs.pop("use_reentrant", None)
         options = {**self.options, **kwargs, "use_reentrant": False}
+        if budget.measuring():
+            # A user's own context_fn decides what the recompute keeps: no candidates.
+            function = budget.measure(layer, function, "context_fn" not in options)
+        kept = budget.kept(layer)
+        if kept and "context_fn" not in options:
+            # SELECTIVE: the plan's ops keep their outputs for the recompute.
+            options["context_fn"] = keeping(kept)
+            if _ASKS_SAC_HOOKS:
+                options["respect_saved_tensors_hooks"] = False
+        if not tensors:
+            self._warn_untaggable(layer, function)
         profile = self.handle._peak.current
         if profile is not None and not profile.in_forward:
             profile = None

@@ -7,8 +7,10 @@ Steps, counted from 1 after installation:
 - a measured step (the second, and later each step longer than every one measured so far)
   also runs with every layer checkpointed, and each layer's recompute in backward is
   measured: the bytes of the tensors it saves (each storage once; the layer's parameters
-  and storages that several layers save, such as rotary tables and masks, not counted) and
-  its time (CUDA events; the wall clock on CPU). The step's peak is the memory allocated as
+  and storages that several layers save, such as rotary tables and masks, not counted),
+  its time (CUDA events; the wall clock on CPU), and each op that could keep its output
+  for a selective layer (see "Kept outputs") with its output's bytes and its own time. The
+  step's peak is the memory allocated as
   it began plus the peak profiler's figure for the same step (on CPU: that figure alone;
   the step's own tensors are all the budget counts there);
 - every other step is planned for its own token count (a plan per count, kept) from the
@@ -16,7 +18,8 @@ Steps, counted from 1 after installation:
   that materializes its scores), never shrink, so the longer step's figures bound the
   shorter one's. The layers the plan makes resident run without checkpointing (their
   GradientCheckpointingLayer calls the function directly); the others are checkpointed with
-  their inputs offloaded. A step whose length differs from the previous step's is planned
+  their inputs offloaded, selective ones keeping their chosen outputs through torch's
+  selective checkpointing (context_fn). A step whose length differs from the previous step's is planned
   with room kept free for its largest block (ckpt_offload.budget, "Lengths that change"):
   the LM head's float32 logits (vocabulary x 4 bytes per token), bounded by the measured
   head stretch's peak (small with a fused loss, which makes no logits).
@@ -25,22 +28,39 @@ A layer that its model's own settings do not checkpoint (every_n_layers, a per-l
 never reaches the checkpoint function: it is resident already, inside the measured peak,
 and the plan covers the others; this is said once.
 
+Kept outputs. An op of a layer's forward is a candidate when skipping it in the recompute
+changes nothing but time: its outputs are new tensors (no view or alias of an input, which
+keeping would not free), no later op of the layer writes to them in place (LoRA's adds
+write their own buffers; torch would refuse a kept output that changed), and it draws no
+random numbers (the recompute replays the forward's random draws in order, and a skipped
+draw would shift every later one; attention counts when its dropout is 0). An op is named
+by its name and its ordinal among that op's calls in the layer's forward, the same in the
+forward and its recompute. Layers run by a compiled region, and layers whose checkpoint
+has the user's own context_fn, have no candidates: they are planned as checkpointed or
+resident only.
+
 Without a budget nothing changes, but the second step is still measured, so that the advice
 can say what a budget would buy.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, FrozenSet, List, Optional
 
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy,
+                                    create_selective_checkpoint_contexts)
 
-from ckpt_offload.budget import (CHECKPOINT, RESIDENT, LayerCost, LayerPlan, StepMeasurement,
-                                 checkpointed_peak, plan_layers, plan_summary)
+from ckpt_offload.budget import (CHECKPOINT, RESIDENT, KeptOutput, LayerCost, LayerPlan,
+                                 OpKey, StepMeasurement, checkpointed_peak, plan_layers,
+                                 plan_summary)
 from ckpt_offload.config import parse_memory_budget
 
 logger = logging.getLogger("ckpt_offload.hf")
@@ -51,9 +71,13 @@ GIB = float(1 << 30)
 MEASURED_STEP = 2
 
 # stats() keys of a budget (zeros until a plan exists).
-STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_checkpointed_layers",
-             "budget_tokens", "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
+STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers",
+             "budget_checkpointed_layers", "budget_kept_output_bytes", "budget_tokens",
+             "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
              "budget_reserve_bytes", "budget_measured_peak_bytes", "budget_measuring")
+
+# The wall clock of measurements on CPU (tests replace it with a deterministic one).
+_clock = time.perf_counter
 
 
 def device_memory_bytes() -> Optional[int]:
@@ -72,13 +96,10 @@ def device_memory_bytes() -> Optional[int]:
     return int(min(total * fraction, free + torch.cuda.memory_reserved(device)))
 
 
-class _LayerProbe:
-    """What one layer's recompute saved and how long it ran, in the measured step."""
+class _Timer:
+    """Intervals timed with CUDA events (read once they completed) or the wall clock."""
 
     def __init__(self, cuda: bool):
-        self.storages: Dict[int, int] = {}  # StorageImpl address -> bytes
-        self.seconds = 0.0
-        self._events: List[Any] = []
         self._cuda = cuda
 
     def start(self):
@@ -86,21 +107,168 @@ class _LayerProbe:
             start = torch.cuda.Event(enable_timing=True)
             start.record()
             return start
-        return time.perf_counter()
+        return _clock()
 
-    def stop(self, start) -> None:
+    def stop(self, start):
+        """The interval since `start`: pass it to seconds() once the work completed."""
         if self._cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-            self._events.append((start, end))
-        else:
-            self.seconds += time.perf_counter() - start
+            return (start, end)
+        return _clock() - start
+
+    @staticmethod
+    def seconds(interval) -> float:
+        if isinstance(interval, tuple):
+            start, end = interval
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        return interval
+
+
+class _LayerProbe:
+    """What one layer's recompute saved, how long it ran, and its candidate kept outputs
+    (see "Kept outputs"), in the measured step."""
+
+    def __init__(self, cuda: bool):
+        self.storages: Dict[int, int] = {}  # StorageImpl address -> bytes
+        self.seconds = 0.0
+        self.timer = _Timer(cuda)
+        self._intervals: List[Any] = []
+        self.meter: Optional[_OutputMeter] = None  # None: no candidates for this layer
+
+    def start(self):
+        return self.timer.start()
+
+    def stop(self, start) -> None:
+        self._intervals.append(self.timer.stop(start))
 
     def settle(self) -> None:
-        for start, end in self._events:
-            end.synchronize()
-            self.seconds += start.elapsed_time(end) / 1e3
-        self._events.clear()
+        self.seconds += sum(_Timer.seconds(interval) for interval in self._intervals)
+        self._intervals.clear()
+
+    def outputs(self, tokens: int):
+        """The candidates, per token (empty without a meter)."""
+        return () if self.meter is None else self.meter.candidates(tokens)
+
+
+def _op_name(func) -> str:
+    return str(func)
+
+
+def _draws_random_numbers(func, args, kwargs) -> bool:
+    """Whether `func` consumes the random generator: a seeded op, except attention whose
+    dropout is 0 (it draws nothing then)."""
+    if torch.Tag.nondeterministic_seeded not in getattr(func, "tags", ()):
+        return False
+    schema = getattr(func, "_schema", None)
+    if schema is None:
+        return True
+    for position, argument in enumerate(schema.arguments):
+        if argument.name == "dropout_p":
+            value = kwargs.get("dropout_p", args[position] if position < len(args)
+                               else argument.default_value)
+            return value != 0
+    return True
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+def _has_storage(tensor: torch.Tensor) -> bool:
+    try:
+        tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+class _OutputMeter(TorchDispatchMode):
+    """Around one layer's recompute in the measured step: each op's output bytes and time,
+    and which ops may keep their outputs (see "Kept outputs")."""
+
+    def __init__(self, timer: _Timer):
+        super().__init__()
+        self.timer = timer
+        self.counts: Dict[str, int] = collections.Counter()
+        # key -> [output storage keys, bytes, interval]; ops that may keep their outputs.
+        self.ops: Dict[OpKey, list] = {}
+        self.excluded: set = set()
+        self._by_storage: Dict[int, OpKey] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        name = _op_name(func)
+        key = (name, self.counts[name])
+        self.counts[name] += 1
+        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and _has_storage(t)}
+        for written in _written_tensors(func, args, kwargs):
+            if not _has_storage(written):
+                continue
+            owner = self._by_storage.get(_storage_key(written))
+            if owner is not None:
+                self.excluded.add(owner)  # changed in place after it was made
+        start = self.timer.start()
+        out = func(*args, **kwargs)
+        interval = self.timer.stop(start)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        returns = getattr(getattr(func, "_schema", None), "returns", None)
+        if (not outputs or returns is None or any(r.alias_info is not None for r in returns)
+                or _draws_random_numbers(func, args, kwargs)):
+            return out
+        try:
+            by_storage = {_storage_key(t): t for t in outputs}
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            return out
+        storages = set(by_storage)
+        if storages & inputs:
+            return out
+        size = sum(t.untyped_storage().nbytes() for t in by_storage.values())
+        self.ops[key] = [storages, size, interval]
+        for storage in storages:
+            self._by_storage[storage] = key
+        return out
+
+    def candidates(self, tokens: int):
+        return tuple(KeptOutput(key, size / tokens, _Timer.seconds(interval) / tokens)
+                     for key, (_, size, interval) in self.ops.items()
+                     if key not in self.excluded)
+
+
+def _written_tensors(func, args, kwargs) -> List[torch.Tensor]:
+    """The tensors `func` writes in place (its schema's mutable arguments)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    written = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = kwargs.get(argument.name, args[position] if position < len(args) else None)
+        written.extend(t for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+    return written
+
+
+def keeping(kept: FrozenSet[OpKey]) -> Callable:
+    """A checkpoint context_fn (torch's selective checkpointing) that keeps the outputs of
+    the ops `kept` names and recomputes the rest."""
+    def context_fn():
+        counts: Dict[tuple, int] = collections.Counter()
+
+        def policy(ctx, func, *args, **kwargs):
+            name = _op_name(func)
+            ordinal = counts[(ctx.is_recompute, name)]
+            counts[(ctx.is_recompute, name)] += 1
+            if (name, ordinal) in kept:
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        return create_selective_checkpoint_contexts(policy)
+    return context_fn
 
 
 class LayerBudget:
@@ -166,15 +334,25 @@ class LayerBudget:
         index = self.layer_index.get(layer)
         return CHECKPOINT if index is None else self.plan.modes[index]
 
+    def kept(self, layer: Optional[nn.Module]) -> FrozenSet[OpKey]:
+        """The ops whose outputs `layer` keeps in the running step (a SELECTIVE layer's)."""
+        index = self.layer_index.get(layer) if layer is not None else None
+        if self.plan is None or index is None:
+            return frozenset()
+        return self.plan.kept(index)
+
     def measuring(self) -> bool:
         return self._probes is not None
 
-    def measure(self, layer: Optional[nn.Module], function: Callable) -> Callable:
-        """`function` (a checkpointed layer's), measured when it is recomputed in backward."""
+    def measure(self, layer: Optional[nn.Module], function: Callable,
+                with_outputs: bool) -> Callable:
+        """`function` (a checkpointed layer's), measured when it is recomputed in backward;
+        `with_outputs`: its candidate kept outputs too (see "Kept outputs")."""
         if self._probes is None or layer not in self.layer_index:
             return function
         probe = self._probes.setdefault(layer, _LayerProbe(self._cuda))
         params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        metered = with_outputs and getattr(layer, "_compiled_call_impl", None) is None
 
         def measured(*args, **kwargs):
             top = torch._C._autograd._top_saved_tensors_default_hooks(True)
@@ -191,7 +369,11 @@ class LayerBudget:
             torch._C._autograd._push_saved_tensors_default_hooks(counting_pack, unpack)
             start = probe.start()
             try:
-                return function(*args, **kwargs)
+                if not metered or torch.compiler.is_compiling():
+                    return function(*args, **kwargs)
+                probe.meter = _OutputMeter(probe.timer)  # the latest recompute's
+                with probe.meter:
+                    return function(*args, **kwargs)
             finally:
                 probe.stop(start)
                 torch._C._autograd._pop_saved_tensors_default_hooks()
@@ -228,7 +410,8 @@ class LayerBudget:
                 continue
             probe.settle()
             layers.append(LayerCost(sum(probe.storages.values()) / self._measured_tokens,
-                                    probe.seconds / self._measured_tokens))
+                                    probe.seconds / self._measured_tokens,
+                                    probe.outputs(self._measured_tokens)))
         self._seen = {}
         if not any(cost.recompute_seconds_per_token > 0 for cost in layers):
             return  # no recompute ran (the step saw no backward): a later step measures
