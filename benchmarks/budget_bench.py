@@ -40,6 +40,7 @@ from gpu_bench import meta, run_line
 from workloads import base_model, lora_model
 
 GIB = 2**30
+PLAN_LETTERS = {"checkpoint": "C", "selective": "S", "resident": "R"}
 MODES = ("ckpt", "ckpt_offload", "budget", "none", "every_n")
 EVERY_N = (32, 16, 8, 6, 4, 3, 2)
 WARMUP = 3
@@ -171,7 +172,7 @@ def run_config(shape: str, seq: int, cap: str, rounds: int, names, base) -> Dict
                             or k in ("exposed_wait_ms", "offloaded_bytes", "groups")}
             modes_now = getattr(mode.handle, "layer_modes", lambda: None)()
             if modes_now is not None:
-                row["plan"] = "".join("R" if m == "resident" else "C" for m in modes_now)
+                row["plan"] = "".join(PLAN_LETTERS[m] for m in modes_now)
             measured = mode.handle._budget.measurement
             if measured is not None:
                 row["measured_layer_gib"] = max(
@@ -217,6 +218,9 @@ def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict
             reserved_peak_gib=mode.reserved[-1] / GIB if ok else None,
             measuring=bool(stats.get("budget_measuring")),
             resident=stats.get("budget_resident_layers"),
+            selective=stats.get("budget_selective_layers"),
+            kept_output_gib=stats.get("budget_kept_output_bytes", 0) / GIB,
+            predicted_saved_ms=stats.get("budget_predicted_saved_ms"),
             predicted_peak_gib=stats.get("budget_predicted_peak_bytes", 0) / GIB,
             plan_tokens=stats.get("budget_tokens")))
         print(json.dumps(records[-1]), flush=True)
@@ -246,7 +250,7 @@ def var_table(run) -> str:
 def table(report) -> str:
     lines = [run_line(report["meta"]), "",
              "| model | seq | cap GiB | mode | step ms | / ckpt | paired | alloc peak GiB | "
-             "reserved peak GiB | plan (C ckpt, R resident) | note |",
+             "reserved peak GiB | plan (C ckpt, S selective, R resident) | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         for row in run["rows"]:

@@ -153,19 +153,28 @@ def test_every_plan_is_bit_identical_to_checkpointing(resident, selective, dropo
     handle.disable()
 
 
-@pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_selective_layers_skip_their_kept_ops_in_the_recompute(dropout):
-    """A plan whose layers keep their matrix multiplies' outputs: each layer's recompute
-    runs its other ops only, and losses and gradients stay bit-identical (dropout's draws
-    replay in order around the kept ops)."""
+MODELS = {
+    "llama": lambda: llama(),
+    "llama-dropout": lambda: llama(dropout=0.2),
+    "lora": lambda: tiny_lora(llama()),
+}
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_selective_layers_skip_their_kept_ops_in_the_recompute(model_name):
+    """A plan whose layers keep their first four matrix multiplies' outputs (the q, k, v and
+    o projections; with LoRA, a projection's base and adapter products): each layer's
+    recompute runs its other ops only, and losses and gradients stay bit-identical
+    (dropout's draws replay in order around the kept ops; LoRA adds out of place)."""
+    make_model = MODELS[model_name]
     lengths = [32] * STEPS
-    kept = frozenset(("aten.mm.default", i) for i in range(4))  # q, k, v, o projections
+    kept = frozenset(("aten.mm.default", i) for i in range(4))
     plan = LayerPlan(tokens=64, budget_bytes=1 << 40, modes=(SELECTIVE,) * LAYERS,
                      predicted_peak_bytes=0, predicted_seconds_saved=0.0,
                      checkpointed_peak_bytes=0, kept_outputs=(kept,) * LAYERS)
 
     def backward_ops(handle=None):
-        model = checkpointed(llama(dropout))
+        model = checkpointed(make_model())
         if handle is not None:
             handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
             handle._budget._plans[(64, False)] = plan
@@ -179,7 +188,8 @@ def test_selective_layers_skip_their_kept_ops_in_the_recompute(dropout):
             with counter:
                 loss.backward()
             losses.append(loss.detach().clone())
-            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                          if p.grad is not None})
             counts.append(counter.counts.get("aten.mm.default", 0))
         return (losses, grads), counts
 
@@ -188,6 +198,33 @@ def test_selective_layers_skip_their_kept_ops_in_the_recompute(dropout):
     assert_identical(expected, actual)
     assert counts[:2] == plain_counts[:2]  # checkpointed, then measured
     assert counts[2:] == [c - 4 * LAYERS for c in plain_counts[2:]]
+
+
+def test_kept_output_candidates_are_ops_whose_skipping_changes_nothing_but_time():
+    """New outputs only: not a view of an input, not written in place later (the recompute
+    would get the changed tensor), no random draws (the recompute replays them in order);
+    attention without dropout draws nothing."""
+    generator = torch.Generator().manual_seed(0)
+    x, w = torch.randn(8, 16, generator=generator), torch.randn(16, 16, generator=generator)
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=generator) for _ in range(3))
+    meter = layer_budget._OutputMeter(layer_budget._Timer(cuda=False))
+    with meter:
+        a = x @ w
+        b = a * 2
+        a.add_(1)  # `a` changes after it was made: mm is no candidate
+        torch.nn.functional.dropout(b, 0.5, training=True)
+        b.view(-1)
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.0)
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    keys = {output.key for output in meter.candidates(tokens=8)}
+    assert ("aten.mm.default", 0) not in keys
+    assert ("aten.mul.Tensor", 0) in keys
+    assert not any(name.startswith(("aten.view", "aten.bernoulli", "aten.native_dropout"))
+                   for name, _ in keys), keys
+    attention = sorted(key for key in keys if "scaled_dot_product" in key[0])
+    assert [ordinal for _, ordinal in attention] == [0], keys
+    by_key = {output.key: output for output in meter.candidates(tokens=8)}
+    assert by_key[("aten.mul.Tensor", 0)].bytes_per_token == 8 * 16 * 4 / 8
 
 
 def test_steps_before_the_plan_checkpoint_every_layer():

@@ -210,18 +210,25 @@ def test_the_api_without_torch_names_what_to_install():
 # --memory_budget: the budget policy on the planner's shape.
 
 
+# Layers that keep no op outputs: the plans of the H200 runs measured so far.
+RESIDENT_ONLY = ("--kept_gib=0", "--kept_ms=0")
+
+
 def test_memory_budget_plan_from_measured_figures():
     """The H200 run at an 80 GiB cap (benchmarks/results/2026-12-04_h200_budget): the step's
-    checkpointed peak 27.5 GiB, 2.25 GiB and 12.1 ms per layer; the run chose 21 resident
-    layers, allocated 74.9 GiB and stepped in 1099.6 ms of checkpointing's 1351.5."""
+    checkpointed peak 27.5 GiB, 2.25 GiB and 12.1 ms per layer, layers resident or
+    checkpointed; the run chose 21 resident layers, allocated 74.9 GiB and stepped in
+    1099.6 ms of checkpointing's 1351.5."""
     out = run("--preset=llama-8b", "--seq=8192", "--memory_budget=auto", "--device_gib=80",
               "--step_peak_gib=27.5", "--layer_gib=2.25", "--layer_ms=12.1",
-              "--step_ms=1351.5").stdout
+              "--step_ms=1351.5", *RESIDENT_ONLY).stdout
     assert "memory budget 76.00 GiB" in out
-    assert "21 layers without checkpointing, 11 checkpointed" in out
+    assert "21 layers without checkpointing, 0 keeping 0.00 GiB of op outputs, 11 " \
+           "checkpointed" in out
     figures = json.loads(run("--preset=llama-8b", "--seq=8192", "--memory-budget=auto",
                              "--device-gib=80", "--step_peak_gib=27.5", "--layer_gib=2.25",
-                             "--layer_ms=12.1", "--step_ms=1351.5", "--json").stdout)
+                             "--layer_ms=12.1", "--step_ms=1351.5", "--json",
+                             *RESIDENT_ONLY).stdout)
     budget = figures["memory_budget"]
     assert budget["resident_layers"] == 21 and figures["layers"] == 32
     assert abs(budget["predicted_peak_bytes"] / 2**30 - 74.9) < 1.0
@@ -239,6 +246,38 @@ def test_memory_budget_estimates_a_layer_from_the_shape():
     assert small["resident_layers"] == 0 and not small["fits"]
 
 
+def budget_figures(*args):
+    return json.loads(run("--preset=llama-8b", "--seq=8192", "--step_peak_gib=27.5",
+                          "--layer_gib=2.25", "--layer_ms=12.1", "--step_ms=1351.5",
+                          "--json", *args).stdout)["memory_budget"]
+
+
+@pytest.mark.parametrize("budget", ["29GiB", "40GiB", "60GiB", "80GiB"])
+def test_kept_outputs_from_the_shape_buy_more_than_resident_layers_alone(budget):
+    """Below the whole card, layers keep projection and attention outputs (per byte worth
+    more than whole layers): a faster predicted step than resident layers alone, within
+    the budget."""
+    kept = budget_figures(f"--memory_budget={budget}")
+    plain = budget_figures(f"--memory_budget={budget}", *RESIDENT_ONLY)
+    assert kept["kept_outputs_estimated"] and not plain["kept_outputs_estimated"]
+    assert kept["selective_layers"] > 0 and plain["selective_layers"] == 0
+    assert kept["kept_output_bytes"] > 0 == plain["kept_output_bytes"]
+    assert kept["predicted_step_ms"] < plain["predicted_step_ms"]
+    assert kept["predicted_peak_bytes"] <= kept["budget_bytes"]
+    assert (kept["resident_layers"] + kept["selective_layers"]
+            + kept["checkpointed_layers"]) == 32
+
+
+def test_kept_outputs_given_as_one_set():
+    """--kept_gib/--kept_ms: the set a run measured. Worth less per byte than a whole
+    layer, it is never kept; worth more, it is kept by every layer a tight budget allows."""
+    poor = budget_figures("--memory_budget=40GiB", "--kept_gib=1", "--kept_ms=1")
+    assert poor["selective_layers"] == 0 and not poor["kept_outputs_estimated"]
+    rich = budget_figures("--memory_budget=40GiB", "--kept_gib=0.3", "--kept_ms=6")
+    assert rich["selective_layers"] + rich["resident_layers"] == 32
+    assert rich["predicted_step_ms"] < 1351.5 - 32 * 6 + 1
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--memory_budget=80GiB"], "--step_peak_gib"),
     (["--memory_budget=auto", "--step_peak_gib=27"], "--device_gib"),
@@ -246,6 +285,9 @@ def test_memory_budget_estimates_a_layer_from_the_shape():
     (["--memory_budget=lots", "--step_peak_gib=27"], "--memory_budget"),
     (["--memory_budget=80GiB", "--step_peak_gib=-1"], "--step_peak_gib"),
     (["--layer_gib=2"], "--memory_budget"),
+    (["--memory_budget=80GiB", "--step_peak_gib=27", "--kept_gib=1"], "--kept_gib"),
+    (["--memory_budget=80GiB", "--step_peak_gib=27", "--kept_ms=-1", "--kept_gib=1"],
+     "--kept_ms"),
 ])
 def test_memory_budget_flags_are_checked_naming_the_flag(args, flag):
     result = run("--preset=llama-8b", "--seq=8192", *args, check=False)

@@ -1,14 +1,15 @@
 """The memory-budget policy (ckpt_offload.budget) on its own: plans within the budget, the
-last layers resident, monotone in the budget and the length; and memory_budget's parsing."""
+last layers resident, kept outputs where they save the most per byte, monotone in the
+budget and the length; and memory_budget's parsing."""
 
 import itertools
 
 import pytest
 
 from ckpt_offload import OffloadConfig
-from ckpt_offload.budget import (CHECKPOINT, RESIDENT, ROUNDING_MARGIN, LayerCost,
-                                 StepMeasurement, checkpointed_peak, plan_layers,
-                                 uniform_measurement)
+from ckpt_offload.budget import (CHECKPOINT, RESIDENT, ROUNDING_MARGIN, SELECTIVE,
+                                 KeptOutput, LayerCost, StepMeasurement, checkpointed_peak,
+                                 layer_steps, plan_layers, uniform_measurement)
 from ckpt_offload.config import AUTO_BUDGET_MARGIN, parse_memory_budget
 
 GIB = 1 << 30
@@ -31,8 +32,8 @@ def test_the_measured_h200_plans():
     assert plan_layers(measured, TOKENS, int(0.95 * 40 * GIB)).count(RESIDENT) == 4
 
 
-@pytest.mark.parametrize("budget_gib, tokens, reserve_gib", itertools.product(
-    [1, 20, 27.5, 30, 45.3, 76, 200], [1024, 8192, 16384, 32768], [0, 4]))
+@pytest.mark.parametrize("budget_gib, tokens, reserve_gib", list(itertools.product(
+    [1, 20, 27.5, 30, 45.3, 76, 200], [1024, 8192, 16384, 32768], [0, 4])))
 def test_plans_stay_within_the_budget_and_resident_layers_are_the_last(
         budget_gib, tokens, reserve_gib):
     measured = llama_8b()
@@ -83,6 +84,125 @@ def test_bad_figures_are_refused():
         plan_layers(llama_8b(), TOKENS, 0)
     with pytest.raises(ValueError, match="reserve_bytes"):
         plan_layers(llama_8b(), TOKENS, GIB, -1)
+
+
+# Kept outputs.
+
+MIB = 1 << 20
+
+# The issue's per-op figures for one 8B layer at s8k: (key, output MiB, ms).
+LLAMA_8B_OPS = (
+    (("aten.mm.default", 0), 64, 0.85),   # q
+    (("aten.mm.default", 1), 16, 0.36),   # k
+    (("aten.mm.default", 2), 16, 0.37),   # v
+    (("aten._scaled_dot_product_flash_attention.default", 0), 64, 1.5),
+    (("aten.mm.default", 3), 64, 0.85),   # o
+    (("aten.mm.default", 4), 224, 2.49),  # gate
+    (("aten.mm.default", 5), 224, 2.49),  # up
+    (("aten.mm.default", 6), 64, 2.12),   # down
+    (("aten.mul.Tensor", 0), 64, 0.01),   # cheap: never worth its bytes
+)
+
+
+def llama_8b_with_outputs(tokens=TOKENS):
+    outputs = tuple(KeptOutput(key, mib * MIB / tokens, ms * 1e-3 / tokens)
+                    for key, mib, ms in LLAMA_8B_OPS)
+    return uniform_measurement(32, tokens, 2.25 * GIB / tokens, 12.1e-3 / tokens,
+                               peak_bytes=int(27.5 * GIB), activation_peak_bytes=int(11.7 * GIB),
+                               outputs=outputs)
+
+
+def test_a_layers_steps_follow_the_upper_hull_and_end_resident():
+    steps = layer_steps(llama_8b_with_outputs().layers[0])
+    slopes = [step.slope for step in steps]
+    assert slopes == sorted(slopes, reverse=True)
+    assert [step.resident for step in steps] == [False] * (len(steps) - 1) + [True]
+    # The kept outputs grow step by step, best per byte first: down, attention, then k/v.
+    kept = [step.kept for step in steps[:-1]]
+    assert all(a < b for a, b in zip(kept, kept[1:]))
+    assert kept[0] == {("aten.mm.default", 6)}
+    assert ("aten._scaled_dot_product_flash_attention.default", 0) in kept[1]
+    # The cheap op never is: the whole layer is worth more per byte.
+    assert all(("aten.mul.Tensor", 0) not in k for k in kept)
+    # The steps add up to the whole layer.
+    layer = llama_8b_with_outputs().layers[0]
+    assert sum(s.bytes_per_token for s in steps) == pytest.approx(layer.saved_bytes_per_token)
+    assert sum(s.seconds_per_token for s in steps) == pytest.approx(
+        layer.recompute_seconds_per_token)
+
+
+def test_a_point_under_the_hull_is_skipped():
+    # Three ops: the second saves little for its bytes, so the hull goes from the first
+    # straight to the first three (or the whole layer).
+    outputs = (KeptOutput(("a", 0), 1.0, 10.0), KeptOutput(("b", 0), 1.0, 9.0),
+               KeptOutput(("c", 0), 10.0, 1.0))
+    steps = layer_steps(LayerCost(100.0, 30.0, outputs))
+    assert [sorted(k for k, _ in s.kept) for s in steps[:-1]] == [["a"], ["a", "b"]]
+    assert steps[-1].resident and steps[-1].bytes_per_token == pytest.approx(98.0)
+
+
+def test_no_steps_for_a_layer_never_recomputed():
+    assert layer_steps(LayerCost(100.0, 0.0, (KeptOutput(("a", 0), 1.0, 1.0),))) == []
+
+
+@pytest.mark.parametrize("budget_gib", [27.6, 28, 30, 33, 38, 45, 60, 76, 100, 133])
+@pytest.mark.parametrize("tokens", [4096, 8192, 16384])
+def test_plans_with_kept_outputs_stay_within_the_budget(budget_gib, tokens):
+    measured = llama_8b_with_outputs()
+    budget = int(budget_gib * GIB)
+    plan = plan_layers(measured, tokens, budget)
+    base = checkpointed_peak(measured, tokens)
+    assert plan.predicted_peak_bytes <= max(budget, base)
+    assert plan.fits == (base <= budget)
+    resident = plan.count(RESIDENT)
+    assert plan.modes[32 - resident:] == (RESIDENT,) * resident
+    layer = measured.layers[0]
+    by_key = {o.key: o for o in layer.outputs}
+    extra = resident * layer.saved_bytes_per_token * tokens
+    for mode, kept in zip(plan.modes, plan.kept_outputs):
+        assert (mode == SELECTIVE) == bool(kept)
+        extra += sum(by_key[key].bytes_per_token for key in kept) * tokens
+    assert plan.predicted_peak_bytes == pytest.approx(base + extra * (1 + ROUNDING_MARGIN),
+                                                      abs=64)
+    kept_bytes = sum(by_key[k].bytes_per_token for ks in plan.kept_outputs for k in ks) * tokens
+    assert plan.kept_output_bytes == pytest.approx(kept_bytes, abs=2)
+
+
+def test_kept_outputs_buy_more_than_resident_layers_at_every_budget():
+    with_outputs, without = llama_8b_with_outputs(), llama_8b()
+    saved = []
+    for gib in range(28, 140, 4):
+        plan = plan_layers(with_outputs, TOKENS, gib * GIB)
+        plain = plan_layers(without, TOKENS, gib * GIB)
+        assert plan.predicted_seconds_saved >= plain.predicted_seconds_saved - 1e-9
+        saved.append(plan.predicted_seconds_saved)
+    assert saved == sorted(saved)
+    # 40 GiB: every layer keeps outputs, none is resident (those bytes buy more kept).
+    at_40 = plan_layers(with_outputs, TOKENS, int(0.95 * 40 * GIB))
+    assert at_40.count(SELECTIVE) == 32 and at_40.count(RESIDENT) == 0
+    assert at_40.predicted_seconds_saved > 4 * plan_layers(
+        without, TOKENS, int(0.95 * 40 * GIB)).predicted_seconds_saved
+    # The whole card: every layer resident, nothing kept apart.
+    full = plan_layers(with_outputs, TOKENS, int(0.95 * 139.8 * GIB))
+    assert full.count(RESIDENT) == 32 and full.kept_output_bytes == 0
+
+
+def test_selective_layers_spread_over_the_layers():
+    """Equal layers take each step in turn: at any budget their kept outputs differ by at
+    most one step."""
+    measured = llama_8b_with_outputs()
+    for gib in (28, 29, 31):
+        plan = plan_layers(measured, TOKENS, gib * GIB)
+        sizes = [len(kept) for kept in plan.kept_outputs]
+        steps = {len(s.kept) for s in layer_steps(measured.layers[0])}
+        assert max(sizes) - min(sizes) <= max(steps), sizes
+
+
+def test_bad_kept_outputs_are_refused():
+    with pytest.raises(ValueError, match="KeptOutput"):
+        KeptOutput(("a", 0), -1.0, 0.0)
+    with pytest.raises(ValueError, match="outputs"):
+        LayerCost(1.0, 1.0, (KeptOutput(("a", 0), 1.0, 1.0),) * 2)
 
 
 # memory_budget's values.

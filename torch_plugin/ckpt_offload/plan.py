@@ -13,10 +13,12 @@ and dtype fill in the flags not given. Everything else is the C++ planner's
 `bazel run //offload_core:offload_plan`. Nothing is read from the network.
 
 With --memory_budget, a section follows: how many layers a step of that length runs without
-checkpointing under the budget (ckpt_offload.budget's policy, as memory_budget plans it at run
-time), its predicted peak and step time. Figures that stats() and the Trainer log report
-after a run (budget measured, per layer) make it exact; without them a layer's saved bytes
-are estimated from the shape and its recompute is the planner's forward time.
+checkpointing, and how many keep op outputs for their recompute, under the budget
+(ckpt_offload.budget's policy, as memory_budget plans it at run time), its predicted peak
+and step time. Figures that stats() and the Trainer log report after a run (budget
+measured, per layer) make it exact; without them a layer's saved bytes are estimated from
+the shape, its recompute is the planner's forward time, and the outputs it could keep are
+its projections and attention, each worth its share of the layer's matrix-multiply FLOPs.
 
 Exit status: 0, 2 for a bad flag or config (the message names it), 1 when planning failed.
 """
@@ -50,11 +52,14 @@ Also (python -m ckpt_offload.plan only):
   --layer_gib=N             one layer's saved tensors (default: estimated from the shape)
   --layer_ms=N              one layer's recompute (default: the planner's forward time)
   --step_ms=N               the checkpointed step's time (default: the simulated step)
+  --kept_gib=N, --kept_ms=N one layer's kept outputs and the recompute they save, as one
+                            set (default: per projection and attention, from the shape;
+                            0 and 0: layers keep nothing, as compiled layers)
 """
 
 # The flags python -m ckpt_offload.plan reads for a memory budget (the others go to the planner).
 BUDGET_FLAGS = ("memory_budget", "device_gib", "step_peak_gib", "layer_gib", "layer_ms",
-                "step_ms")
+                "step_ms", "kept_gib", "kept_ms")
 
 # A decoder layer's saved bytes per token in bf16 (twice that in fp32): 44 x hidden + 8 x ffn.
 # Calibrated on the Llama-3.1-8B shape measured by memory_budget on the H200 (LoRA r=16,
@@ -166,21 +171,45 @@ def _split_budget_flags(args: List[str]) -> tuple[Dict[str, str], List[str]]:
     return budget, rest
 
 
-def _positive(flags: Dict[str, str], name: str) -> Optional[float]:
+def _positive(flags: Dict[str, str], name: str, zero: bool = False) -> Optional[float]:
+    """The flag's number (None when not given); `zero`: 0 is allowed too."""
     if name not in flags:
         return None
     try:
         value = float(flags[name])
     except ValueError:
         value = -1.0
-    if not value > 0:
-        raise ConfigError(f"--{name}: must be a positive number, got {flags[name]!r}")
+    if not (value >= 0 if zero else value > 0):
+        kind = "a number >= 0" if zero else "a positive number"
+        raise ConfigError(f"--{name}: must be {kind}, got {flags[name]!r}")
     return value
+
+
+def shape_outputs(plan: Dict, layer_s: float):
+    """The outputs a decoder layer of the planner's shape could keep, per token: its seven
+    projections and its (causal) attention, each output's bytes at the model's dtype, and
+    each worth `layer_s` (the layer's recompute) in proportion to its FLOPs."""
+    from ckpt_offload.budget import KeptOutput
+
+    hidden, ffn = plan["hidden"], plan["ffn"]
+    kv = hidden * plan["kv_heads"] // plan["heads"]
+    element = DTYPE_BYTES[plan["dtype"]]
+    context = plan["tokens"] // plan["batch"]
+    # (name, output elements per token, FLOPs per token)
+    ops = [("q", hidden, 2 * hidden * hidden), ("k", kv, 2 * hidden * kv),
+           ("v", kv, 2 * hidden * kv), ("attention", hidden, 2 * context * hidden),
+           ("o", hidden, 2 * hidden * hidden), ("gate", ffn, 2 * hidden * ffn),
+           ("up", ffn, 2 * hidden * ffn), ("down", hidden, 2 * ffn * hidden)]
+    total = sum(flops for _, _, flops in ops)
+    seconds = layer_s / plan["tokens"]
+    return tuple(KeptOutput((name, 0), size * element, seconds * flops / total)
+                 for name, size, flops in ops)
 
 
 def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
     """The memory-budget figures for the planner's JSON `plan` and the budget flags."""
-    from ckpt_offload.budget import RESIDENT, plan_layers, uniform_measurement
+    from ckpt_offload.budget import (RESIDENT, SELECTIVE, KeptOutput, plan_layers,
+                                     uniform_measurement)
     from ckpt_offload.config import parse_memory_budget
 
     device_gib = _positive(flags, "device_gib")
@@ -212,15 +241,28 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
         layer_gib = per_token * element * tokens / GIB
     layer_ms = _positive(flags, "layer_ms") or plan["forward_s_per_layer"] * 1e3
     step_ms = _positive(flags, "step_ms") or plan["simulated_step_s"] * 1e3
+    kept_gib, kept_ms = _positive(flags, "kept_gib", True), _positive(flags, "kept_ms", True)
+    if (kept_gib is None) != (kept_ms is None):
+        raise ConfigError("--kept_gib and --kept_ms: give both (one layer's kept outputs and "
+                          "the recompute they save) or neither")
+    if kept_gib is None:
+        outputs = shape_outputs(plan, layer_ms / 1e3)
+    elif kept_ms == 0:
+        outputs = ()  # layers that keep nothing (compiled, or a context_fn of the user's)
+    else:
+        outputs = (KeptOutput(("kept", 0), kept_gib * GIB / tokens, kept_ms / 1e3 / tokens),)
     measured = uniform_measurement(
         plan["layers"], tokens, layer_gib * GIB / tokens, layer_ms / 1e3 / tokens,
-        peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0)
+        peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0, outputs=outputs)
     layer_plan = plan_layers(measured, tokens, budget)
-    resident = layer_plan.count(RESIDENT)
+    resident, selective = layer_plan.count(RESIDENT), layer_plan.count(SELECTIVE)
     return {
         "budget_bytes": budget, "layer_bytes": int(layer_gib * GIB),
         "layer_bytes_estimated": estimated, "recompute_ms_per_layer": layer_ms,
-        "resident_layers": resident, "checkpointed_layers": len(layer_plan.modes) - resident,
+        "kept_outputs_estimated": kept_gib is None,
+        "resident_layers": resident, "selective_layers": selective,
+        "checkpointed_layers": len(layer_plan.modes) - resident - selective,
+        "kept_output_bytes": layer_plan.kept_output_bytes,
         "predicted_peak_bytes": layer_plan.predicted_peak_bytes,
         "checkpointed_step_ms": step_ms,
         "predicted_step_ms": step_ms - layer_plan.predicted_seconds_saved * 1e3,
@@ -237,8 +279,12 @@ def budget_text(section: Dict, step_peak_gib: float) -> str:
         f"memory budget {section['budget_bytes'] / GIB:.2f} GiB",
         f"  a layer's saved tensors       {layer:.2f} GiB ({source})",
         f"  recompute per layer           {section['recompute_ms_per_layer']:.2f} ms",
+        f"  kept outputs                  "
+        f"{'per op, from the shape' if section['kept_outputs_estimated'] else 'given'}",
         f"  plan                          {section['resident_layers']} layers without "
-        f"checkpointing, {section['checkpointed_layers']} checkpointed",
+        f"checkpointing, {section['selective_layers']} keeping "
+        f"{section['kept_output_bytes'] / GIB:.2f} GiB of op outputs, "
+        f"{section['checkpointed_layers']} checkpointed",
         f"  predicted peak                {section['predicted_peak_bytes'] / GIB:.2f} GiB "
         f"(checkpointed step {step_peak_gib:.2f} GiB)",
         f"  predicted step                {section['predicted_step_ms']:.1f} ms "

@@ -19,8 +19,9 @@ Steps, counted from 1 after installation:
   shorter one's. The layers the plan makes resident run without checkpointing (their
   GradientCheckpointingLayer calls the function directly); the others are checkpointed with
   their inputs offloaded, selective ones keeping their chosen outputs through torch's
-  selective checkpointing (context_fn). A step whose length differs from the previous step's is planned
-  with room kept free for its largest block (ckpt_offload.budget, "Lengths that change"):
+  selective checkpointing (context_fn). A step whose length differs from the previous
+  step's is planned with room kept free for its largest block (ckpt_offload.budget,
+  "Lengths that change"):
   the LM head's float32 logits (vocabulary x 4 bytes per token), bounded by the measured
   head stretch's peak (small with a fused loss, which makes no logits).
 
@@ -58,7 +59,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy,
                                     create_selective_checkpoint_contexts)
 
-from ckpt_offload.budget import (CHECKPOINT, RESIDENT, KeptOutput, LayerCost, LayerPlan,
+from ckpt_offload.budget import (CHECKPOINT, RESIDENT, SELECTIVE, KeptOutput, LayerCost, LayerPlan,
                                  OpKey, StepMeasurement, checkpointed_peak, plan_layers,
                                  plan_summary)
 from ckpt_offload.config import parse_memory_budget
@@ -487,11 +488,12 @@ class LayerBudget:
             return None
         budget = parse_memory_budget("auto", device)
         plan = plan_layers(measured, measured.tokens, budget)
-        if plan.count(RESIDENT) == 0:
+        if plan.count(CHECKPOINT) == len(plan.modes):
             return None
         return (f"The step uses {measured.peak_bytes / GIB:.1f} GiB of {device / GIB:.1f} GiB: "
                 f"memory_budget='auto' would run {plan.count(RESIDENT)} of "
-                f"{len(plan.modes)} layers without checkpointing, saving about "
+                f"{len(plan.modes)} layers without checkpointing and keep op outputs for "
+                f"{plan.count(SELECTIVE)} more, saving about "
                 f"{plan.predicted_seconds_saved * 1e3:.0f} ms of recompute per micro-step.")
 
     def stats(self) -> Dict[str, float]:
