@@ -32,7 +32,8 @@ and the plan covers the others; this is said once.
 Kept outputs. An op of a layer's forward is a candidate when skipping it in the recompute
 changes nothing but time: its outputs are new tensors (no view or alias of an input, which
 keeping would not free), no later op of the layer writes to them in place (LoRA's adds
-write their own buffers; torch would refuse a kept output that changed), and it draws no
+write their own buffers; torch would refuse a kept output that changed), the layer does not
+return them (code after the layer could change them), and it draws no
 random numbers (the recompute replays the forward's random draws in order, and a skipped
 draw would shift every later one; attention counts when its dropout is 0). An op is named
 by its name and its ordinal among that op's calls in the layer's forward, the same in the
@@ -234,6 +235,15 @@ class _OutputMeter(TorchDispatchMode):
             self._by_storage[storage] = key
         return out
 
+    def exclude_returned(self, result) -> None:
+        """What the layer returns is no candidate: code after the layer (the next layer's
+        in-place residual add, say) may change it before the recompute."""
+        for tensor in tree_leaves(result):
+            if isinstance(tensor, torch.Tensor) and _has_storage(tensor):
+                owner = self._by_storage.get(_storage_key(tensor))
+                if owner is not None:
+                    self.excluded.add(owner)
+
     def candidates(self, tokens: int):
         return tuple(KeptOutput(key, size / tokens, _Timer.seconds(interval) / tokens)
                      for key, (_, size, interval) in self.ops.items()
@@ -374,7 +384,9 @@ class LayerBudget:
                     return function(*args, **kwargs)
                 probe.meter = _OutputMeter(probe.timer)  # the latest recompute's
                 with probe.meter:
-                    return function(*args, **kwargs)
+                    result = function(*args, **kwargs)
+                probe.meter.exclude_returned(result)
+                return result
             finally:
                 probe.stop(start)
                 torch._C._autograd._pop_saved_tensors_default_hooks()
