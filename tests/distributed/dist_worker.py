@@ -108,7 +108,8 @@ def trainer_run(workdir: str, steps: int, offload: bool, deepspeed=None,
 
 # FSDP2 with a custom loop.
 
-def fsdp2_run(steps: int, offload: bool, scope: str = "checkpoint_inputs") -> Dict:
+def fsdp2_run(steps: int, offload: bool, scope: str = "checkpoint_inputs",
+              shard: bool = True) -> Dict:
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -117,9 +118,10 @@ def fsdp2_run(steps: int, offload: bool, scope: str = "checkpoint_inputs") -> Di
     rank, world = dist.get_rank(), dist.get_world_size()
     model = tiny_llama(seed=0)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    for layer in model.model.layers:
-        fully_shard(layer)
-    fully_shard(model)
+    if shard:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     handle = enable_activation_offload(model, scope=scope, **OFFLOAD) if offload else None
@@ -134,8 +136,9 @@ def fsdp2_run(steps: int, offload: bool, scope: str = "checkpoint_inputs") -> Di
         optimizer.step()
         optimizer.zero_grad()
         mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append((mean / world).item())
+        if shard:
+            dist.all_reduce(mean)
+        losses.append((mean / world if shard else mean).item())
         if handle is not None:
             step_stats.append(handle.stats())
     report = {
@@ -144,11 +147,17 @@ def fsdp2_run(steps: int, offload: bool, scope: str = "checkpoint_inputs") -> Di
         "wrapper": type(model).__name__,
         "dtensor_params": sum(isinstance(p, DTensor) for p in model.parameters()),
         "params": sum(1 for _ in model.parameters()),
-        "local_numel": sum(p.to_local().numel() for p in model.parameters()),
+        "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+                           for p in model.parameters()),
         "full_numel": sum(p.numel() for p in model.parameters()),
     }
     if handle is not None:
         report["step_stats"] = step_stats
+        # The measured step (for the budget's advice): per layer, its own saved bytes per
+        # token and how many op outputs it could keep.
+        measured = handle._budget.measurement
+        report["measured_layers"] = [] if measured is None else [
+            [cost.saved_bytes_per_token, len(cost.outputs)] for cost in measured.layers]
         report["totals"] = handle.totals()
         handle.disable()
     return report
@@ -219,6 +228,7 @@ def run_mode(args) -> Dict:
         plain = fsdp2_run(args.steps, offload=False)
         offloaded = fsdp2_run(args.steps, offload=True)
         offload_all = fsdp2_run(args.steps, offload=True, scope="all")
+        unsharded = fsdp2_run(args.steps, offload=True, shard=False)
         problems += compare("fsdp2", plain, offloaded, args.steps)
         problems += compare("fsdp2 scope=all", plain, offload_all, args.steps)
         problems += check_offload_figures(offloaded, args.steps, from_logs=False)
@@ -228,7 +238,8 @@ def run_mode(args) -> Dict:
         if offload_all["totals"]["skipped_tensors"] == 0:
             problems.append("fsdp2 scope=all: no parameter was skipped")
         rank_report["runs"] = {"plain": summary(plain), "offload": summary(offloaded),
-                               "offload_all": summary(offload_all)}
+                               "offload_all": summary(offload_all),
+                               "unsharded": summary(unsharded)}
     rank_report["problems"] = problems
     return rank_report
 

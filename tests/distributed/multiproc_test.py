@@ -162,6 +162,15 @@ def test_fsdp2_loop_with_offload_matches_plain_run(tmp_path):
             runs["offload"]["totals"]["offloaded_tensors"]
         assert runs["offload_all"]["totals"]["skipped_tensors"] > 0
         assert runs["offload_all"]["totals"]["host_live_bytes"] == 0
+        # The measured step counts a layer's own saved bytes as without FSDP2 (the gathered
+        # weights are parameters, not activations), and offers no kept outputs: the
+        # gathering hooks run inside the layer's forward.
+        sharded = runs["offload"]["measured_layers"]
+        unsharded = runs["unsharded"]["measured_layers"]
+        assert len(sharded) == len(unsharded) == LAYERS
+        assert [bytes_ for bytes_, _ in sharded] == [bytes_ for bytes_, _ in unsharded]
+        assert all(candidates == 0 for _, candidates in sharded)
+        assert all(candidates > 0 for _, candidates in unsharded)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -38,8 +38,10 @@ random numbers (the recompute replays the forward's random draws in order, and a
 draw would shift every later one; attention counts when its dropout is 0). An op is named
 by its name and its ordinal among that op's calls in the layer's forward, the same in the
 forward and its recompute. Layers run by a compiled region, and layers whose checkpoint
-has the user's own context_fn, have no candidates: they are planned as checkpointed or
-resident only.
+has the user's own context_fn, have no candidates, and so have layers whose parameters are
+sharded (FSDP2's DTensors, ZeRO-3's partitions): their hooks gather weights inside the
+layer's forward, and those ops need not run the same way in its recompute. They are
+planned as checkpointed or resident only.
 
 Without a budget nothing changes, but the second step is still measured, so that the advice
 can say what a budget would buy.
@@ -55,7 +57,7 @@ from typing import Any, Callable, Dict, FrozenSet, List, Optional
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy,
                                     create_selective_checkpoint_contexts)
@@ -184,6 +186,28 @@ def _has_storage(tensor: torch.Tensor) -> bool:
     except (RuntimeError, NotImplementedError):
         return False
     return True
+
+
+def _has_data(storage) -> bool:
+    """Whether `storage` has an address (a wrapper subclass's, a DTensor's, has none)."""
+    try:
+        storage.data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _parameter_addresses(layer: nn.Module) -> set:
+    """The addresses of `layer`'s parameters' storages (those that have one)."""
+    storages = (p.untyped_storage() for p in layer.parameters() if _has_storage(p))
+    return {s.data_ptr() for s in storages if _has_data(s)}
+
+
+def _has_sharded_parameters(layer: nn.Module) -> bool:
+    """Whether a sharding wrapper owns `layer`'s parameters: FSDP2 (DTensor, a wrapper
+    subclass) or DeepSpeed ZeRO-3 (a partition in `ds_tensor`)."""
+    return any(is_traceable_wrapper_subclass(p) or hasattr(p, "ds_tensor")
+               for p in layer.parameters())
 
 
 class _OutputMeter(TorchDispatchMode):
@@ -362,18 +386,24 @@ class LayerBudget:
         if self._probes is None or layer not in self.layer_index:
             return function
         probe = self._probes.setdefault(layer, _LayerProbe(self._cuda))
-        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
-        metered = with_outputs and getattr(layer, "_compiled_call_impl", None) is None
+        metered = (with_outputs and getattr(layer, "_compiled_call_impl", None) is None
+                   and not _has_sharded_parameters(layer))
 
         def measured(*args, **kwargs):
             top = torch._C._autograd._top_saved_tensors_default_hooks(True)
             if torch._C._current_graph_task_id() == -1 or top is None:
                 return function(*args, **kwargs)  # the forward: nothing is saved
             pack, unpack = top
+            params = None
 
             def counting_pack(tensor):
+                nonlocal params
+                if params is None:
+                    # Read at the first save, inside the layer's forward: by then a sharding
+                    # wrapper's hooks have put the gathered weights in place.
+                    params = _parameter_addresses(layer)
                 storage = tensor.untyped_storage()
-                if storage.data_ptr() not in params:
+                if not _has_data(storage) or storage.data_ptr() not in params:
                     self._note_storage(layer, probe, storage)
                 return pack(tensor)
 
