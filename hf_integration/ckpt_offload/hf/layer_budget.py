@@ -33,10 +33,10 @@ Kept outputs. An op of a layer's forward is a candidate when skipping it in the 
 changes nothing but time: its outputs are new tensors (no view or alias of an input, which
 keeping would not free), no later op of the layer writes to them in place (LoRA's adds
 write their own buffers; torch would refuse a kept output that changed), the layer does not
-return them (code after the layer could change them), and it draws no
-random numbers (the recompute replays the forward's random draws in order, and a skipped
-draw would shift every later one; attention counts when its dropout is 0). An op is named
-by its name and its ordinal among that op's calls in the layer's forward, the same in the
+return them (code after the layer could change them), it makes more than an empty buffer
+(a kernel outside the dispatcher may fill one unseen), and it draws no random numbers (the
+recompute replays the forward's random draws in order, and a skipped draw would shift
+every later one; attention counts when its dropout is 0). An op is named by its name and its ordinal among that op's calls in the layer's forward, the same in the
 forward and its recompute. Layers run by a compiled region, and layers whose checkpoint
 has the user's own context_fn, have no candidates, and so have layers whose parameters are
 sharded (FSDP2's DTensors, ZeRO-3's partitions): their hooks gather weights inside the
@@ -156,6 +156,14 @@ class _LayerProbe:
         return () if self.meter is None else self.meter.candidates(tokens)
 
 
+# Ops whose output holds nothing yet: a kernel outside the dispatcher (Triton's, a fused
+# loss's) may fill it unseen, so nothing says when its content is final.
+_UNDEFINED_CONTENT_OPS = frozenset({
+    torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+    torch.ops.aten.new_empty, torch.ops.aten.new_empty_strided,
+})
+
+
 def _op_name(func) -> str:
     return str(func)
 
@@ -244,6 +252,7 @@ class _OutputMeter(TorchDispatchMode):
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         returns = getattr(getattr(func, "_schema", None), "returns", None)
         if (not outputs or returns is None or any(r.alias_info is not None for r in returns)
+                or func.overloadpacket in _UNDEFINED_CONTENT_OPS
                 or _draws_random_numbers(func, args, kwargs)):
             return out
         try:
