@@ -412,7 +412,8 @@ class LayerBudget:
                     # wrapper's hooks have put the gathered weights in place.
                     params = _parameter_addresses(layer)
                 storage = tensor.untyped_storage()
-                if not _has_data(storage) or storage.data_ptr() not in params:
+                # A wrapper subclass's storage (a DTensor's) has no address and no bytes.
+                if _has_data(storage) and storage.data_ptr() not in params:
                     self._note_storage(layer, probe, storage)
                 return pack(tensor)
 
