@@ -32,16 +32,18 @@ and the plan covers the others; this is said once.
 Kept outputs. An op of a layer's forward is a candidate when skipping it in the recompute
 changes nothing but time: its outputs are new tensors (no view or alias of an input, which
 keeping would not free), no later op of the layer writes to them in place (LoRA's adds
-write their own buffers; torch would refuse a kept output that changed), the layer does not
-return them (code after the layer could change them), it makes more than an empty buffer
-(a kernel outside the dispatcher may fill one unseen), and it draws no random numbers (the
-recompute replays the forward's random draws in order, and a skipped draw would shift
-every later one; attention counts when its dropout is 0). An op is named by its name and its ordinal among that op's calls in the layer's forward, the same in the
-forward and its recompute. Layers run by a compiled region, and layers whose checkpoint
-has the user's own context_fn, have no candidates, and so have layers whose parameters are
-sharded (FSDP2's DTensors, ZeRO-3's partitions): their hooks gather weights inside the
-layer's forward, and those ops need not run the same way in its recompute. They are
-planned as checkpointed or resident only.
+write their own buffers; torch would refuse a kept output that changed), the layer does
+not return them (code after the layer could change them), it makes more than an empty
+buffer (a kernel outside the dispatcher may fill one unseen), it is no higher-order op
+(flex attention, a compiled region: nothing says what their outputs alias), and it draws
+no random numbers (the recompute replays the forward's random draws in order, and a
+skipped draw would shift every later one; attention counts when its dropout is 0). An op
+is named by its name and its ordinal among that op's calls in the layer's forward, the
+same in the forward and its recompute. Layers run by a compiled region, and layers whose
+checkpoint has the user's own context_fn, have no candidates, and so have layers whose
+parameters are sharded (FSDP2's DTensors, ZeRO-3's partitions): their hooks gather weights
+inside the layer's forward, and those ops need not run the same way in its recompute. They
+are planned as checkpointed or resident only.
 
 Without a budget nothing changes, but the second step is still measured, so that the advice
 can say what a budget would buy.
@@ -222,6 +224,14 @@ class _OutputMeter(TorchDispatchMode):
     """Around one layer's recompute in the measured step: each op's output bytes and time,
     and which ops may keep their outputs (see "Kept outputs")."""
 
+    # Higher-order ops (flex attention, a compiled region, a Triton op) come through
+    # __torch_dispatch__ too: without this torch refuses them while the meter is on.
+    supports_higher_order_operators = True
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True  # compiling under the meter traces the layer, not the meter
+
     def __init__(self, timer: _Timer):
         super().__init__()
         self.timer = timer
@@ -233,7 +243,9 @@ class _OutputMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
+        if func in SAC_IGNORED_OPS or isinstance(func, torch._ops.HigherOrderOperator):
+            # A higher-order op has no schema to say what its outputs alias: it runs (the
+            # meter is off while it does), and its outputs are no candidates.
             return func(*args, **kwargs)
         name = _op_name(func)
         key = (name, self.counts[name])
