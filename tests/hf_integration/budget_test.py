@@ -241,6 +241,34 @@ def test_kept_output_candidates_are_ops_whose_skipping_changes_nothing_but_time(
     assert by_key[("aten.mul.Tensor", 0)].bytes_per_token == 8 * 16 * 4 / 8
 
 
+def test_an_op_the_meter_cannot_follow_leaves_the_step_alone(monkeypatch, caplog):
+    """The meter's own bookkeeping failing on an op: the step runs as without it, the
+    layers offer no kept outputs, and the log says which op (once)."""
+    follows = layer_budget._draws_random_numbers
+
+    def refusing(func, args, kwargs):
+        if "silu" in str(func):
+            raise RuntimeError("an op the meter cannot follow")
+        return follows(func, args, kwargs)
+
+    monkeypatch.setattr(layer_budget, "_draws_random_numbers", refusing)
+    monkeypatch.setattr(layer_budget, "_UNMETERED_SAID", set())
+    lengths = [32] * (MEASURED_STEP + 2)
+    expected = run(checkpointed(llama()), batches(lengths))
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    with caplog.at_level(logging.WARNING, logger="ckpt_offload.hf"):
+        actual = run(model, batches(lengths), handle)
+    assert_identical(expected, actual)
+    measured = handle._budget.measurement
+    assert len(measured.layers) == LAYERS
+    assert all(cost.outputs == () and cost.saved_bytes_per_token > 0
+               for cost in measured.layers)
+    said = [r.getMessage() for r in caplog.records if "could not meter" in r.getMessage()]
+    assert len(said) == 1 and "aten.silu" in said[0], said
+    assert handle.layer_modes() == [RESIDENT] * LAYERS
+
+
 def test_steps_before_the_plan_checkpoint_every_layer():
     model = checkpointed(llama())
     handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)

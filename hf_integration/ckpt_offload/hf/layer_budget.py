@@ -220,6 +220,9 @@ def _has_sharded_parameters(layer: nn.Module) -> bool:
                for p in layer.parameters())
 
 
+_UNMETERED_SAID: set = set()  # ops the meter could not follow, said once per process
+
+
 class _OutputMeter(TorchDispatchMode):
     """Around one layer's recompute in the measured step: each op's output bytes and time,
     and which ops may keep their outputs (see "Kept outputs")."""
@@ -239,14 +242,33 @@ class _OutputMeter(TorchDispatchMode):
         # key -> [output storage keys, bytes, interval]; ops that may keep their outputs.
         self.ops: Dict[OpKey, list] = {}
         self.excluded: set = set()
+        self.failed = False
         self._by_storage: Dict[int, OpKey] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS or isinstance(func, torch._ops.HigherOrderOperator):
+        if (self.failed or func in SAC_IGNORED_OPS
+                or isinstance(func, torch._ops.HigherOrderOperator)):
             # A higher-order op has no schema to say what its outputs alias: it runs (the
             # meter is off while it does), and its outputs are no candidates.
             return func(*args, **kwargs)
+        try:
+            key, inputs = self._before(func, args, kwargs)
+        except Exception as error:  # the meter's own bookkeeping: it must not stop a step
+            self._fail(func, error)
+            return func(*args, **kwargs)
+        start = self.timer.start()
+        out = func(*args, **kwargs)
+        interval = self.timer.stop(start)
+        try:
+            self._after(func, args, kwargs, key, inputs, out, interval)
+        except Exception as error:
+            self._fail(func, error)
+        return out
+
+    def _before(self, func, args, kwargs):
+        """Names the op; marks the candidates it writes to in place. Returns (key, the
+        storages of its inputs)."""
         name = _op_name(func)
         key = (name, self.counts[name])
         self.counts[name] += 1
@@ -258,27 +280,36 @@ class _OutputMeter(TorchDispatchMode):
             owner = self._by_storage.get(_storage_key(written))
             if owner is not None:
                 self.excluded.add(owner)  # changed in place after it was made
-        start = self.timer.start()
-        out = func(*args, **kwargs)
-        interval = self.timer.stop(start)
+        return key, inputs
+
+    def _after(self, func, args, kwargs, key, inputs, out, interval) -> None:
+        """Records the op's outputs as a candidate when they may be kept."""
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         returns = getattr(getattr(func, "_schema", None), "returns", None)
         if (not outputs or returns is None or any(r.alias_info is not None for r in returns)
                 or func.overloadpacket in _UNDEFINED_CONTENT_OPS
                 or _draws_random_numbers(func, args, kwargs)):
-            return out
+            return
         try:
             by_storage = {_storage_key(t): t for t in outputs}
         except (RuntimeError, NotImplementedError):  # a tensor without storage
-            return out
+            return
         storages = set(by_storage)
         if storages & inputs:
-            return out
+            return
         size = sum(t.untyped_storage().nbytes() for t in by_storage.values())
         self.ops[key] = [storages, size, interval]
         for storage in storages:
             self._by_storage[storage] = key
-        return out
+
+    def _fail(self, func, error: Exception) -> None:
+        """The meter could not follow `func`: the layer offers no candidates this time."""
+        self.failed = True
+        if str(func) in _UNMETERED_SAID:
+            return
+        _UNMETERED_SAID.add(str(func))
+        logger.warning("ckpt_offload: memory_budget: could not meter %s (%s: %s); this layer "
+                       "keeps no op outputs", func, type(error).__name__, error)
 
     def exclude_returned(self, result) -> None:
         """What the layer returns is no candidate: code after the layer (the next layer's
@@ -290,6 +321,8 @@ class _OutputMeter(TorchDispatchMode):
                     self.excluded.add(owner)
 
     def candidates(self, tokens: int):
+        if self.failed:
+            return ()
         return tuple(KeptOutput(key, size / tokens, _Timer.seconds(interval) / tokens)
                      for key, (_, size, interval) in self.ops.items()
                      if key not in self.excluded)
