@@ -17,6 +17,9 @@ from ckpt_offload.hf.compile import CompiledLoss
 from tiny import HOST, Probe, assert_same_weights, tiny_llama, tiny_lora, train
 
 LAYERS = 4
+# Compiled modules per checkpointed layer: the layer, or where transformers checkpoints from
+# inside the layer's call, its parts that hold weights (attention, MLP and two norms).
+PER_LAYER = 1 if hf_compile.LAYER_CALL_IS_CHECKPOINTED else 4
 
 
 @pytest.fixture(autouse=True)
@@ -74,8 +77,9 @@ def test_trainer_torch_compile_is_regional_without_graph_breaks_and_bit_identica
 
     assert graph_breaks() == 0, dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] >= 2  # a layer region and the loss at least
-    # Every step: 4 layers and the final norm compiled, every layer input offloaded.
-    assert probe.regions == [LAYERS + 1] * 4
+    # Every step: 4 layers (or their parts) and the final norm compiled, every layer input
+    # offloaded.
+    assert probe.regions == [LAYERS * PER_LAYER + 1] * 4
     assert [t["offloaded_tensors"] for t in probe.step_totals] == [4, 8, 12, 16]
     # Uninstalled at the end: nothing of the regional compile is left on the model.
     assert compiled_modules(model) == []
@@ -102,7 +106,7 @@ def test_torch_compile_of_an_offloaded_model_compiles_its_regions_and_says_so(ca
     notices = [r.message for r in caplog.records if "region by region" in r.message]
     assert len(notices) == 1 and "4 checkpointed layers" in notices[0]
     assert graph_breaks() == 0, dict(counters["graph_break"])
-    assert len(compiled_modules(model)) == LAYERS + 1
+    assert len(compiled_modules(model)) == LAYERS * PER_LAYER + 1
     assert isinstance(model.__dict__["_loss_function"], CompiledLoss)
     assert handle.stats()["offloaded_tensors"] == LAYERS
     handle.disable()
@@ -124,7 +128,9 @@ def test_compile_option_leaves_user_compiled_modules_and_copies_alone():
     model.model.layers[0].compile()  # the user's own
     own = model.model.layers[0]._compiled_call_impl
     handle = enable_activation_offload(model, compile={"dynamic": False}, **HOST)
-    assert len(handle.regions.modules) == LAYERS  # 3 layers and the norm; layer 0 was theirs
+    # 3 layers (or their parts) and the norm; layer 0 was theirs.
+    assert len(handle.regions.modules) == (LAYERS - 1) * PER_LAYER + 1
+    assert handle.regions.layer_count == LAYERS - 1
     assert handle.regions.options == {"dynamic": False}
 
     copied = copy.deepcopy(model)

@@ -8,7 +8,10 @@ the offload's hooks breaks the graph at every layer. So a model with ckpt_offloa
 compiled as regions:
 
 - each checkpointed layer, inside its checkpoint (the forward and its recompute run the
-  same compiled code);
+  same compiled code). Where transformers checkpoints a layer's `forward` from inside the
+  layer's call (transformers 5.23 does), a compiled layer would trace the checkpoint and the
+  offload with it: the layer's parts that hold weights (attention, MLP, norms) are the
+  regions there, and the layer's own code between them runs eagerly;
 - the normalization modules outside the layers (the final norm);
 - the model's `loss_function` (upcast, shift and cross-entropy become one kernel, as in a
   whole-model compile; the logits are a model output and materialized either way);
@@ -51,6 +54,7 @@ class CompiledRegions:
                 "free no device memory. mode='max-autotune-no-cudagraphs' keeps max-autotune's "
                 "kernel tuning.")
         self.modules: List[nn.Module] = []
+        self.layer_count = 0  # checkpointed layers compiled, whole or by their parts
         # (PreTrainedModel, its `_loss_function` before, or _MISSING)
         self._losses: List[tuple] = []
         try:
@@ -58,6 +62,10 @@ class CompiledRegions:
                 if module._compiled_call_impl is None:
                     module.compile(**self.options)
                     self.modules.append(module)
+            compiled = set(map(id, self.modules))
+            self.layer_count = sum(
+                1 for layer in model.modules() if isinstance(layer, GradientCheckpointingLayer)
+                and (id(layer) in compiled or any(id(c) in compiled for c in layer.children())))
             for owner in model.modules():
                 if isinstance(owner, PreTrainedModel) and not isinstance(
                         owner.__dict__.get("_loss_function"), CompiledLoss):
@@ -73,6 +81,7 @@ class CompiledRegions:
         for module in self.modules:
             module._compiled_call_impl = None
         self.modules.clear()
+        self.layer_count = 0
         for owner, before in self._losses:
             if isinstance(owner.__dict__.get("_loss_function"), CompiledLoss):
                 if before is _MISSING:
@@ -129,15 +138,27 @@ def compile_regions(model: nn.Module, **options) -> CompiledRegions:
     return CompiledRegions(model, options)
 
 
+# GradientCheckpointingLayer checkpoints its `__call__` in older transformers (5.17 to 5.20
+# at least); newer ones (5.23) wrap each layer class's `forward`, which the call runs.
+LAYER_CALL_IS_CHECKPOINTED = "__call__" in GradientCheckpointingLayer.__dict__
+
+
 def region_modules(model: nn.Module) -> List[nn.Module]:
-    """Checkpointed layers (transformers GradientCheckpointingLayer), then normalization
-    modules that are not inside one."""
+    """Checkpointed layers (transformers GradientCheckpointingLayer), or where transformers
+    checkpoints from inside a layer's call, the parts of each that hold weights (of layers
+    not compiled already); then normalization modules that are not inside a layer."""
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     inside = {id(sub) for layer in layers for sub in layer.modules()}
     norms = [m for m in model.modules()
              if id(m) not in inside and not any(True for _ in m.children())
              and type(m).__name__.endswith("Norm")]  # RMSNorm, LayerNorm, ...
-    return layers + norms
+    if LAYER_CALL_IS_CHECKPOINTED:
+        return layers + norms
+    parts = [part for layer in layers if layer._compiled_call_impl is None
+             for part in layer.children()
+             if not isinstance(part, GradientCheckpointingLayer)
+             and any(True for _ in part.parameters())]
+    return parts + norms
 
 
 class CompiledLoss:

@@ -475,7 +475,7 @@ class OffloadHandle:
         self._prefetch_on_acquire()
         self.regions = CompiledRegions(self.model, {} if backend is None else
                                        {"backend": backend})
-        layers = sum(isinstance(m, GradientCheckpointingLayer) for m in self.regions.modules)
+        layers = self.regions.layer_count
         tell_once(
             f"ckpt_offload.hf: torch.compile(model) with activation offload compiles the "
             f"model region by region: {layers} checkpointed layers, the norms outside them "
@@ -718,6 +718,11 @@ class _OffloadingCheckpoint:
         if not torch.is_grad_enabled():
             # Nothing is saved (no_grad, inference mode: a reference or old-policy forward,
             # generation in training mode): the user's function, as without ckpt_offload.
+            return self.original(function, *args, **kwargs)
+        if torch.compiler.is_compiling():
+            # Traced into a compiled graph (a layer the user compiled, where transformers
+            # checkpoints from inside the layer's call): the graph holds the checkpoint, and
+            # this layer's input stays on the device, as it would without ckpt_offload.
             return self.original(function, *args, **kwargs)
         layer = _layer_of(function)
         budget = self.handle._budget

@@ -39,7 +39,7 @@ buffer (a kernel outside the dispatcher may fill one unseen), it is no higher-or
 no random numbers (the recompute replays the forward's random draws in order, and a
 skipped draw would shift every later one; attention counts when its dropout is 0). An op
 is named by its name and its ordinal among that op's calls in the layer's forward, the
-same in the forward and its recompute. Layers run by a compiled region, and layers whose
+same in the forward and its recompute. Layers run by compiled regions, and layers whose
 checkpoint has the user's own context_fn, have no candidates, and so have layers whose
 parameters are sharded (FSDP2's DTensors, ZeRO-3's partitions): their hooks gather weights
 inside the layer's forward, and those ops need not run the same way in its recompute. They
@@ -211,6 +211,11 @@ def _parameter_addresses(layer: nn.Module) -> set:
     """The addresses of `layer`'s parameters' storages (those that have one)."""
     storages = (p.untyped_storage() for p in layer.parameters() if _has_storage(p))
     return {s.data_ptr() for s in storages if _has_data(s)}
+
+
+def _runs_compiled_code(layer: nn.Module) -> bool:
+    """Whether `layer`, or a part of it, is a compiled region."""
+    return any(getattr(m, "_compiled_call_impl", None) is not None for m in layer.modules())
 
 
 def _has_sharded_parameters(layer: nn.Module) -> bool:
@@ -440,7 +445,7 @@ class LayerBudget:
         if self._probes is None or layer not in self.layer_index:
             return function
         probe = self._probes.setdefault(layer, _LayerProbe(self._cuda))
-        metered = (with_outputs and getattr(layer, "_compiled_call_impl", None) is None
+        metered = (with_outputs and not _runs_compiled_code(layer)
                    and not _has_sharded_parameters(layer))
 
         def measured(*args, **kwargs):
