@@ -41,9 +41,11 @@ skipped draw would shift every later one; attention counts when its dropout is 0
 is named by its name and its ordinal among that op's calls in the layer's forward, the
 same in the forward and its recompute. Layers run by compiled regions, and layers whose
 checkpoint has the user's own context_fn, have no candidates, and so have layers whose
-parameters are sharded (FSDP2's DTensors, ZeRO-3's partitions): their hooks gather weights
-inside the layer's forward, and those ops need not run the same way in its recompute. They
-are planned as checkpointed or resident only.
+parameters are still sharded when their checkpoint begins (FSDP2's DTensors, ZeRO-3's
+partitions): hooks inside the checkpoint gather the weights, and need not run the same way
+in the recompute. (Under transformers 5.23 FSDP2's hooks on a layer run before its
+checkpoint; those layers have candidates.) They are planned as checkpointed or resident
+only.
 
 Without a budget nothing changes, but the second step is still measured, so that the advice
 can say what a budget would buy.
@@ -219,8 +221,8 @@ def _runs_compiled_code(layer: nn.Module) -> bool:
 
 
 def _has_sharded_parameters(layer: nn.Module) -> bool:
-    """Whether a sharding wrapper owns `layer`'s parameters: FSDP2 (DTensor, a wrapper
-    subclass) or DeepSpeed ZeRO-3 (a partition in `ds_tensor`)."""
+    """Whether `layer`'s parameters are sharded now: FSDP2's not yet gathered (DTensor, a
+    wrapper subclass) or DeepSpeed ZeRO-3's (a partition in `ds_tensor`, always there)."""
     return any(is_traceable_wrapper_subclass(p) or hasattr(p, "ds_tensor")
                for p in layer.parameters())
 
