@@ -18,6 +18,7 @@ from ckpt_offload.budget import (CHECKPOINT, RESIDENT, SELECTIVE, LayerPlan,
                                  checkpointed_peak, plan_layers)
 from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
 from ckpt_offload.hf import layer_budget
+from ckpt_offload.hf.compile import LAYER_CALL_IS_CHECKPOINTED
 from ckpt_offload.hf.layer_budget import MEASURED_STEP
 from ckpt_offload.hf.peak import LiveTensorMeter
 from tiny import HOST, VOCAB, assert_same_weights, tiny_llama, tiny_lora, train
@@ -199,6 +200,56 @@ def test_selective_layers_skip_their_kept_ops_in_the_recompute(model_name):
     assert_identical(expected, actual)
     assert counts[:2] == plain_counts[:2]  # checkpointed, then measured
     assert counts[2:] == [c - 4 * LAYERS for c in plain_counts[2:]]
+
+
+@pytest.mark.skipif(LAYER_CALL_IS_CHECKPOINTED,
+                    reason="FSDP2's hooks on a layer run inside its checkpoint here: no candidates")
+def test_fsdp2_layers_measure_and_keep_outputs_bit_identically(tmp_path):
+    """FSDP2 (one process, gloo through a file) where its hooks on a layer run before the
+    layer's checkpoint: the measured step offers the unsharded model's candidates, and a
+    plan that keeps the projections' outputs trains bit-identically to plain FSDP2."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    lengths = [32] * STEPS
+    kept = frozenset(("aten.mm.default", i) for i in range(4))
+    plan = LayerPlan(tokens=64, budget_bytes=1 << 40, modes=(SELECTIVE,) * LAYERS,
+                     predicted_peak_bytes=0, predicted_seconds_saved=0.0,
+                     checkpointed_peak_bytes=0, kept_outputs=(kept,) * LAYERS)
+    unsharded = measurement_of(llama, lengths)
+
+    def sharded_run(handle=None):
+        model = checkpointed(llama())
+        for layer in model.model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        if handle is not None:
+            handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+            handle._budget._plans[(64, False)] = plan
+        model.train()
+        torch.manual_seed(11)
+        losses, grads = [], []
+        for ids in batches(lengths):
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append({n: p.grad.full_tensor() for n, p in model.named_parameters()})
+        return (losses, grads), handle
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'group'}", rank=0,
+                            world_size=1)
+    try:
+        expected, _ = sharded_run()
+        actual, handle = sharded_run(handle=True)
+    finally:
+        dist.destroy_process_group()
+    assert_identical(expected, actual)
+    assert handle.layer_modes() == [SELECTIVE] * LAYERS
+    measured = handle._budget.measurement
+    assert [len(c.outputs) for c in measured.layers] == [len(c.outputs) for c in unsharded.layers]
+    assert all(c.outputs for c in measured.layers)
+    handle.disable()
 
 
 def test_kept_output_candidates_are_ops_whose_skipping_changes_nothing_but_time():
