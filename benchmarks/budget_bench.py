@@ -260,7 +260,10 @@ def table(report) -> str:
             note = row.get("note") or row.get("error") or ""
             plan = row.get("plan", "")
             if plan:
-                plan = f"{plan.count('R')} R / {plan.count('C')} C"
+                plan = " / ".join(f"{plan.count(letter)} {letter}" for letter in "RSC")
+                kept = row.get("stats", {}).get("budget_kept_output_bytes", 0)
+                if kept:
+                    plan += f", kept {kept / GIB:.1f} GiB"
             lines.append(
                 f"| {run['shape']} | {run['seq']} | {run['cap_gib']:.0f} | {row['mode']} | "
                 f"{cell('step_ms', '.1f')} | {cell('ratio', '.3f')} | {cell('paired', '.3f')} | "
