@@ -5,6 +5,7 @@ predicted peak that bounds the measured one.
 Times are read from a clock that ticks once per reading (the `ticking_clock` fixture), so
 that every run of a test measures the same figures and plans alike."""
 
+import functools
 import itertools
 import logging
 
@@ -21,7 +22,8 @@ from ckpt_offload.hf import layer_budget
 from ckpt_offload.hf.compile import LAYER_CALL_IS_CHECKPOINTED
 from ckpt_offload.hf.layer_budget import MEASURED_STEP
 from ckpt_offload.hf.peak import LiveTensorMeter
-from tiny import HOST, VOCAB, assert_same_weights, tiny_llama, tiny_lora, train
+from tiny import (FAMILIES, HOST, VOCAB, assert_same_weights, tiny_family, tiny_llama,
+                  tiny_lora, train)
 
 LAYERS = 6
 STEPS = 5
@@ -200,6 +202,30 @@ def test_selective_layers_skip_their_kept_ops_in_the_recompute(model_name):
     assert_identical(expected, actual)
     assert counts[:2] == plain_counts[:2]  # checkpointed, then measured
     assert counts[2:] == [c - 4 * LAYERS for c in plain_counts[2:]]
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_plans_are_bit_identical_in_every_model_family(family):
+    """Each family's layers are measured with kept-output candidates, and a plan with
+    selective layers and one with resident layers train bit-identically to full
+    checkpointing (attention dropout on: the RNG replays around kept ops and is drawn once
+    by resident layers)."""
+    layers = 4
+    make_model = functools.partial(tiny_family, family, layers=layers, dropout=0.2)
+    lengths = [32] * STEPS
+    expected = run(checkpointed(make_model()), batches(lengths))
+    measured = measurement_of(make_model, lengths)
+    assert len(measured.layers) == layers
+    assert all(layer.outputs for layer in measured.layers)
+    for resident, selective in ((0, 2), (2, 0)):
+        budget = budget_for(measured, 64, resident, selective)
+        model = checkpointed(make_model())
+        handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+        actual = run(model, batches(lengths), handle)
+        assert_identical(expected, actual)
+        modes = handle.layer_modes()
+        assert modes.count(RESIDENT) == resident and modes.count(SELECTIVE) >= selective, modes
+        handle.disable()
 
 
 @pytest.mark.skipif(LAYER_CALL_IS_CHECKPOINTED,

@@ -25,6 +25,41 @@ def tiny_llama(seed: int = 0, attn: str = "sdpa", tied: bool = False,
     return LlamaForCausalLM(config)
 
 
+# Decoder families beside Llama, as (config class, model class, fields beyond the shared tiny
+# shape): dense, sliding-window, QK-norm, fused-projection and mixture-of-experts layers.
+FAMILIES = {
+    "cohere": ("CohereConfig", "CohereForCausalLM", {}),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(head_dim=16, sliding_window=16)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, sliding_window=16)),
+    "glm4": ("Glm4Config", "Glm4ForCausalLM", {}),
+    "granite": ("GraniteConfig", "GraniteForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=16)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", {}),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", {}),
+}
+
+
+def tiny_family(family: str, seed: int = 0, layers: int = 4, dropout: float = 0.0):
+    """A tiny model of one of FAMILIES (eager attention: deterministic on every device)."""
+    import transformers
+
+    config_name, model_name, fields = FAMILIES[family]
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        attention_dropout=dropout, attn_implementation="eager",
+        bos_token_id=1, eos_token_id=2, pad_token_id=0, **fields)
+    return getattr(transformers, model_name)(config)
+
+
 def tiny_lora(model: LlamaForCausalLM):
     from peft import LoraConfig, get_peft_model
 
