@@ -15,15 +15,14 @@ from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ckpt_offload.budget import (CHECKPOINT, RESIDENT, SELECTIVE, LayerPlan,
-                                 checkpointed_peak, plan_layers)
+from ckpt_offload.budget import CHECKPOINT, RESIDENT, SELECTIVE, LayerPlan, plan_layers
 from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
 from ckpt_offload.hf import layer_budget
 from ckpt_offload.hf.compile import LAYER_CALL_IS_CHECKPOINTED
 from ckpt_offload.hf.layer_budget import MEASURED_STEP
 from ckpt_offload.hf.peak import LiveTensorMeter
-from tiny import (FAMILIES, HOST, VOCAB, assert_same_weights, tiny_family, tiny_llama,
-                  tiny_lora, train)
+from tiny import (FAMILIES, HOST, VOCAB, assert_same_weights, budget_for, tiny_family,
+                  tiny_llama, tiny_lora, train)
 
 LAYERS = 6
 STEPS = 5
@@ -90,25 +89,6 @@ def measurement_of(make_model, lengths):
     measured = handle._budget.measurement
     handle.disable()
     return measured
-
-
-def budget_for(measured, tokens, resident, selective=0):
-    """The smallest budget that the step fits with every layer checkpointed and whose plan at
-    `tokens` runs at least `resident` layers resident and `selective` selective."""
-    def enough(plan):
-        return plan.count(RESIDENT) >= resident and plan.count(SELECTIVE) >= selective
-
-    low, high = checkpointed_peak(measured, tokens), 1 << 40
-    if selective:  # layers turn selective before any goes resident (then they may stop)
-        high = budget_for(measured, tokens, 1) - 1
-        assert enough(plan_layers(measured, tokens, high))
-    while low < high:
-        middle = (low + high) // 2
-        if enough(plan_layers(measured, tokens, middle)):
-            high = middle
-        else:
-            low = middle + 1
-    return low
 
 
 class OpCounter(TorchDispatchMode):

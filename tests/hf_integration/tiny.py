@@ -1,10 +1,13 @@
-"""Tiny Llama models, data and Trainer runs for the HF integration tests (CPU, offline)."""
+"""Tiny models (Llama and other decoder families), data, Trainer runs and budgets for the HF
+integration tests (CPU, offline)."""
 
 from __future__ import annotations
 
 import torch
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
+
+from ckpt_offload.budget import RESIDENT, SELECTIVE, checkpointed_peak, plan_layers
 
 VOCAB = 128
 SEQ = 32
@@ -142,3 +145,23 @@ def assert_same_weights(model_a, model_b):
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+def budget_for(measured, tokens, resident, selective=0):
+    """memory_budget: the smallest budget that the step fits with every layer checkpointed
+    and whose plan at `tokens` runs at least `resident` layers resident and `selective`
+    selective."""
+    def enough(plan):
+        return plan.count(RESIDENT) >= resident and plan.count(SELECTIVE) >= selective
+
+    low, high = checkpointed_peak(measured, tokens), 1 << 40
+    if selective:  # layers turn selective before any goes resident (then they may stop)
+        high = budget_for(measured, tokens, 1) - 1
+        assert enough(plan_layers(measured, tokens, high))
+    while low < high:
+        middle = (low + high) // 2
+        if enough(plan_layers(measured, tokens, middle)):
+            high = middle
+        else:
+            low = middle + 1
+    return low

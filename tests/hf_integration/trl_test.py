@@ -10,6 +10,7 @@ input prefetched on every step, the profiled step's layer recompute seen by the 
 breakdown, and nothing of ckpt_offload left on the model after training."""
 
 import functools
+import itertools
 
 import pytest
 import torch
@@ -19,9 +20,9 @@ from torch import nn
 from transformers import PreTrainedTokenizerFast, TrainerCallback
 
 import trl
-from ckpt_offload.hf import ActivationOffloadCallback
+from ckpt_offload.hf import ActivationOffloadCallback, layer_budget
 from ckpt_offload.hf.install import installations
-from tiny import HOST, tiny_llama, tiny_lora
+from tiny import HOST, budget_for, tiny_llama, tiny_lora
 
 STEPS = 3
 
@@ -132,14 +133,16 @@ class Recorder(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if self.offload is not None:
-            self.stats.append(self.offload.handle.stats())
+            handle = self.offload.handle
+            self.stats.append(dict(handle.stats(), layer_modes=handle.layer_modes(),
+                                   measurement=handle._budget.measurement))
 
 
-def train(case, tmp_path, offload):
+def train(case, tmp_path, offload, steps=STEPS, **options):
     make_trainer, make_model = CASES[case]
     model = make_model()
-    trainer = make_trainer(model, dict(COMMON, output_dir=str(tmp_path)))
-    callback = ActivationOffloadCallback(keep_last=1, **HOST) if offload else None
+    trainer = make_trainer(model, dict(COMMON, output_dir=str(tmp_path), max_steps=steps))
+    callback = ActivationOffloadCallback(keep_last=1, **HOST, **options) if offload else None
     recorder = Recorder(callback)
     trainer.add_callback(recorder)
     if callback is not None:
@@ -209,3 +212,35 @@ def test_trl_trainer_keeps_prefetch_and_stays_bit_identical(case, tmp_path):
         if isinstance(func, functools.partial):
             assert (func.func, func.args, func.keywords) == (
                 plain_func.func, plain_func.args, plain_func.keywords), name
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_trl_trainer_with_a_memory_budget_stays_bit_identical(case, tmp_path, monkeypatch):
+    """memory_budget under each trainer's toggles and varying lengths: with every layer
+    resident, and with a budget that makes layers selective, losses and gradients match the
+    run without offload."""
+    ticks = itertools.count()  # a clock that ticks per reading: the same plans every run
+    monkeypatch.setattr(layer_budget, "_clock", lambda: float(next(ticks)))
+    steps = 5  # measured at step 2, planned from step 3
+    _, plain_losses, plain, _ = train(case, tmp_path / "plain", offload=False, steps=steps)
+
+    _, losses, recorder, _ = train(case, tmp_path / "all", offload=True, steps=steps,
+                                   memory_budget="1TiB")
+    measured = recorder.stats[-1]["measurement"]
+    layers = len(measured.layers)
+    plans = [s["layer_modes"] for s in recorder.stats[2:]]
+    assert plans == [["resident"] * layers] * (steps - 2)
+    runs = [(losses, recorder)]
+
+    budget = budget_for(measured, measured.tokens, resident=0, selective=2)
+    _, losses, recorder, _ = train(case, tmp_path / "some", offload=True, steps=steps,
+                                   memory_budget=budget)
+    assert any("selective" in s["layer_modes"] for s in recorder.stats[2:]), recorder.stats
+    runs.append((losses, recorder))
+
+    for losses, recorder in runs:
+        assert losses == plain_losses
+        for step, (ref, got) in enumerate(zip(plain.grads, recorder.grads, strict=True)):
+            assert ref.keys() == got.keys() and ref
+            for name in ref:
+                assert torch.equal(ref[name], got[name]), (step, name)
