@@ -44,6 +44,9 @@ PLAN_LETTERS = {"checkpoint": "C", "selective": "S", "resident": "R"}
 MODES = ("ckpt", "ckpt_offload", "budget", "none", "every_n")
 EVERY_N = (32, 16, 8, 6, 4, 3, 2)
 WARMUP = 3
+# The allocator's figures an OOM reports: what tensors hold, what segments hold, and the free
+# pieces of segments that also hold tensors (which no retry can give back).
+OOM_FIGURES = ("allocated_bytes", "reserved_bytes", "inactive_split_bytes")
 
 
 class Mode:
@@ -82,7 +85,16 @@ def try_step(mode: Mode, ids, record: bool) -> bool:
         one_step(mode, ids, record)
         return True
     except torch.OutOfMemoryError as error:
-        mode.error = f"OOM: {str(error).splitlines()[0][:160]}"
+        # Read before the traceback goes: its frames still hold the step's tensors, so the
+        # allocator's figures are those of the failed allocation.
+        stats = torch.cuda.memory_stats()
+        mode.error = ("OOM: " + " ".join(str(error).split())[:600] + " | allocator: " +
+                      ", ".join(f"{key} {stats.get(key + '.all.current', 0) / GIB:.2f} GiB"
+                                for key in OOM_FIGURES))
+        print(f"{mode.name}: {mode.error}", flush=True)
+        if mode.handle is not None:
+            mode.stats = mode.handle.stats()  # the failed step's plan
+        del error
         mode.model.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
@@ -101,7 +113,7 @@ def checkpoint_every(model, n: int) -> None:
         gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n)
 
 
-def make_modes(names, base) -> List[Mode]:
+def make_modes(names, base, budget="auto") -> List[Mode]:
     from ckpt_offload.hf import enable_activation_offload
 
     modes = []
@@ -110,7 +122,7 @@ def make_modes(names, base) -> List[Mode]:
         if name == "ckpt_offload":
             modes.append(Mode(name, model, enable_activation_offload(model)))
         elif name == "budget":
-            modes.append(Mode(name, model, enable_activation_offload(model, memory_budget="auto")))
+            modes.append(Mode(name, model, enable_activation_offload(model, memory_budget=budget)))
         elif name == "none":
             model.base_model.model.gradient_checkpointing_disable()
             modes.append(Mode(name, model))
@@ -131,13 +143,14 @@ def find_every_n(mode: Mode, ids) -> None:
     mode.note = "no N fits"
 
 
-def run_config(shape: str, seq: int, cap: str, rounds: int, names, base) -> Dict:
+def run_config(shape: str, seq: int, cap: str, rounds: int, names, base, budget="auto",
+               empty_each_step: bool = False) -> Dict:
     cap_bytes = set_cap(cap)
     gc.collect()
     torch.cuda.empty_cache()
     generator = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, base.config.vocab_size, (1, seq), generator=generator).cuda()
-    modes = make_modes(names, base)
+    modes = make_modes(names, base, budget)
     for mode in modes:
         if mode.name == "every_n":
             find_every_n(mode, ids)
@@ -150,6 +163,8 @@ def run_config(shape: str, seq: int, cap: str, rounds: int, names, base) -> Dict
     for _ in range(rounds):
         for mode in modes:
             if alive[mode.name]:
+                if empty_each_step:  # each step's reserved peak its own
+                    torch.cuda.empty_cache()
                 alive[mode.name] = try_step(mode, ids, True)
     rows = []
     reference = next((m for m in modes if m.name == "ckpt"), None)
@@ -189,7 +204,7 @@ def run_config(shape: str, seq: int, cap: str, rounds: int, names, base) -> Dict
     gc.collect()
     torch.cuda.empty_cache()
     return dict(shape=shape, seq=seq, cap=cap, cap_gib=cap_bytes / GIB, rows=rows,
-                same_first_loss=len(losses) <= 1)
+                budget=budget, same_first_loss=len(losses) <= 1)
 
 
 def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict:
@@ -248,7 +263,11 @@ def var_table(run) -> str:
 
 
 def table(report) -> str:
-    lines = [run_line(report["meta"]), "",
+    conf = report.get("allocator_conf") or "default"
+    budgets = sorted({run.get("budget", "auto") for run in report["runs"]})
+    lines = [run_line(report["meta"]),
+             f"PYTORCH_CUDA_ALLOC_CONF: {conf}; budget mode's memory_budget: "
+             f"{', '.join(budgets)}", "",
              "| model | seq | cap GiB | mode | step ms | / ckpt | paired | alloc peak GiB | "
              "reserved peak GiB | plan (C ckpt, S selective, R resident) | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -264,6 +283,9 @@ def table(report) -> str:
                 kept = row.get("stats", {}).get("budget_kept_output_bytes", 0)
                 if kept:
                     plan += f", kept {kept / GIB:.1f} GiB"
+                predicted = row.get("stats", {}).get("budget_predicted_peak_bytes", 0)
+                if predicted:
+                    plan += f", predicted peak {predicted / GIB:.1f} GiB"
             lines.append(
                 f"| {run['shape']} | {run['seq']} | {run['cap_gib']:.0f} | {row['mode']} | "
                 f"{cell('step_ms', '.1f')} | {cell('ratio', '.3f')} | {cell('paired', '.3f')} | "
@@ -279,10 +301,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="shape:low:high:steps:cap, e.g. llama3-8b:4096:32768:100:80")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--budget", default="auto",
+                        help="the budget mode's memory_budget (default auto), e.g. 76GiB")
+    parser.add_argument("--empty-cache", action="store_true",
+                        help="empty the allocator's cache before every timed step too")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     names = args.modes.split(",")
-    report = dict(meta=meta(), runs=[])
+    report = dict(meta=meta(), runs=[],
+                  allocator_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
     bases = {}
     if args.var:
         shape, low, high, steps, cap = args.var.split(":")
@@ -302,7 +329,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             bases.clear()
             gc.collect()
             bases[shape] = base_model(shape)
-        run = run_config(shape, int(seq), cap, args.rounds, names, bases[shape])
+        run = run_config(shape, int(seq), cap, args.rounds, names, bases[shape], args.budget,
+                         args.empty_cache)
         report["runs"].append(run)
         text = table(report)
         print(text, flush=True)
