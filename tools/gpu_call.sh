@@ -2,6 +2,8 @@
 # One GPU-machine call: the GPU suite and/or benchmarks, logs packed into $OUT/gpu_logs.tgz
 # (the device tool returns at most 8 files). Usage on the GPU machine, from the repo root:
 #   CKPT_OFFLOAD_COMMIT=<hash> bash tools/gpu_call.sh "suite" "bench:<gpu_bench args>" ...
+# Write the hash out here: the device's copy of the tree may carry stale git metadata, so
+# `$(git rev-parse HEAD)` run there can name an older commit than the one that runs.
 # Jobs: suite | pytest:<args> | py:<args> (python3 <args> from tests/) | bench:<args> |
 #       packbench:<source tree of the base to compare with> | real:<real_bench args> |
 #       trl:<trl_bench args>
