@@ -280,10 +280,11 @@ def table(report) -> str:
             plan = row.get("plan", "")
             if plan:
                 plan = " / ".join(f"{plan.count(letter)} {letter}" for letter in "RSC")
-                kept = row.get("stats", {}).get("budget_kept_output_bytes", 0)
+                stats = row.get("stats", {})
+                kept = stats.get("budget_kept_output_bytes", 0)
                 if kept:
                     plan += f", kept {kept / GIB:.1f} GiB"
-                predicted = row.get("stats", {}).get("budget_predicted_peak_bytes", 0)
+                predicted = stats.get("budget_predicted_peak_bytes", 0)
                 if predicted:
                     plan += f", predicted peak {predicted / GIB:.1f} GiB"
             lines.append(

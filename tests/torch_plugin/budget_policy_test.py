@@ -84,7 +84,7 @@ def test_plans_leave_room_for_the_free_pieces_their_kept_bytes_strand(monkeypatc
     cap = 80 * GIB
     stranded_per_kept_byte = 7.13 / 47.7
 
-    def reserved_at_that_rate(margin):
+    def reserved_at_that_rate(measured, margin):
         monkeypatch.setattr(budget_module, "FRAGMENTATION_MARGIN", margin)
         plan = plan_layers(measured, TOKENS, parse_memory_budget("auto", cap))
         kept = (plan.predicted_peak_bytes - plan.checkpointed_peak_bytes) / (1 + margin)
@@ -92,9 +92,9 @@ def test_plans_leave_room_for_the_free_pieces_their_kept_bytes_strand(monkeypatc
         return plan.checkpointed_peak_bytes + kept * (1 + stranded_per_kept_byte)
 
     for measured in (llama_8b(), llama_8b_with_outputs()):
-        assert reserved_at_that_rate(FRAGMENTATION_MARGIN) <= cap
+        assert reserved_at_that_rate(measured, FRAGMENTATION_MARGIN) <= cap
         # The margin the failed step was planned with.
-        assert reserved_at_that_rate(0.02) > cap
+        assert reserved_at_that_rate(measured, 0.02) > cap
 
 
 def test_bad_figures_are_refused():
