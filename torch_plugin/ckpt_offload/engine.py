@@ -163,6 +163,27 @@ class OffloadEngine:
             state.group_open = False
             self._offloader.end_group()
 
+    def save_into_group(self, tensor: torch.Tensor):
+        """Saves `tensor`, an op output that the open checkpoint group's recompute will skip,
+        with that group: offloaded and brought back with the group's inputs. Returns a
+        handle for restore(). Outside a group (or without an offloader) the handle keeps the
+        tensor where it is. restore() raises autograd's in-place error when the tensor was
+        modified after it was saved."""
+        if self._offloader is None:
+            return self.keep_here(tensor)
+        return self._offloader.pack_into_group(tensor)
+
+    @staticmethod
+    def keep_here(tensor: torch.Tensor):
+        """A handle for restore() that keeps `tensor` on its device, version-checked."""
+        return _KeptHere(tensor.detach(), tensor._version)
+
+    def restore(self, handle) -> torch.Tensor:
+        """The tensor `handle` (from save_into_group or keep_here) saved, on its device."""
+        if isinstance(handle, _KeptHere):
+            return handle.restore()
+        return self._offloader.unpack(handle)
+
     def synchronize(self) -> None:
         """Waits for in-flight copies (figures such as exposed_wait_ms settle then)."""
         if self._offloader is not None:
@@ -209,6 +230,22 @@ class OffloadEngine:
         if self._offloader is None:
             return "no offload backend (backend='auto' found no CUDA device)"
         return self._offloader.ineligible_reason(tensor)
+
+
+class _KeptHere:
+    """save_into_group's handle without an offloader: the tensor itself, version-checked."""
+
+    def __init__(self, tensor: torch.Tensor, version: int):
+        self.tensor = tensor
+        self.version = version
+
+    def restore(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: it is at version {self.tensor._version}; expected version "
+                f"{self.version} instead")
+        return self.tensor
 
 
 def offload_activations(config: Optional[OffloadConfig] = None, **overrides) -> OffloadEngine:

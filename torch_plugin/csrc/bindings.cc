@@ -198,6 +198,16 @@ PYBIND11_MODULE(_C, m) {
           },
           py::arg("tensor"))
       .def(
+          "pack_into_group",
+          [](TensorOffloader& self, const at::Tensor& tensor) -> py::object {
+            return WithPythonWarnings([&]() -> py::object {
+              SavedTensor saved = self.PackIntoGroup(tensor);
+              if (saved.packed) return py::cast(std::move(saved.packed));
+              return py::cast(std::move(saved.kept));
+            });
+          },
+          py::arg("tensor"))
+      .def(
           "unpack",
           [](TensorOffloader& self, py::object obj) -> py::object {
             return WithPythonWarnings([&]() -> py::object {

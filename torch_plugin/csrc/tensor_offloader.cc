@@ -379,6 +379,25 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
   return {MakePacked(tensor, begin, std::move(holder)), nullptr};
 }
 
+SavedTensor TensorOffloader::PackIntoGroup(const at::Tensor& tensor) {
+  if (torch::autograd::get_current_graph_task_id() != -1) {
+    packed_.fetch_add(1, std::memory_order_relaxed);
+    return Skip(tensor);
+  }
+  {
+    MutexLock lock(&engine_mu_);
+    if (!group_open_) {
+      packed_.fetch_add(1, std::memory_order_relaxed);
+      return Skip(tensor);
+    }
+  }
+  {
+    MutexLock lock(&tensors_mu_);
+    marked_.insert(tensor.unsafeGetTensorImpl());
+  }
+  return Pack(tensor);
+}
+
 c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& device,
                                              bool* resident) {
   // Under the storage's mu_: the engine as published, not engine_mu_ (see the lock order).

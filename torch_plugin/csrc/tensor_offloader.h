@@ -236,6 +236,11 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   // is; it comes back through UnpackKept. Both Unpacks throw autograd's in-place error
   // when the tensor was modified since Pack.
   SavedTensor Pack(const at::Tensor& tensor) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  // Pack for a tensor the caller saves itself into the open checkpoint group (an op output
+  // that a layer's recompute will skip): offloaded with the group's inputs, brought back
+  // with them, and restored by Unpack. Outside a group, or while a backward runs, it is
+  // kept where it is, as Pack keeps what it does not move.
+  SavedTensor PackIntoGroup(const at::Tensor& tensor) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   at::Tensor Unpack(const PackedTensor& packed) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   at::Tensor UnpackKept(const KeptTensor& kept) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
 
