@@ -15,6 +15,8 @@ memory allocated when the step began:
   above the memory allocated when that stretch began;
 - layer_recompute_bytes: the largest peak of one layer's recompute + backward (until the
   gradient of its input is ready), above the memory allocated when its recompute began;
+- layer_phase_peak_bytes (not a part): the highest the memory rose during the layers'
+  recomputes and backward, above what was allocated when the step began;
 - dominant ("head_loss", "layer_recompute" or "hidden_states_kept") and advice.
 
 Meters. CUDA: the caching allocator's counters (memory_allocated, max_memory_allocated;
@@ -209,6 +211,7 @@ class StepProfile:
         self.step_peak = 0
         self.head_loss = 0
         self.layer_recompute = 0
+        self.layer_phase_peak = 0
         self.hidden_states_kept = 0
         self._inputs: Dict[int, Tuple[StorageWeakRef, int]] = {}  # tagged layer inputs
         self._end_queued = False
@@ -228,6 +231,7 @@ class StepProfile:
                 self.head_loss = rise
             elif self.stretch == "layer":
                 self.layer_recompute = max(self.layer_recompute, rise)
+                self.layer_phase_peak = max(self.layer_phase_peak, peak)
         self.meter.mark()
         self.stretch_start = self.meter.now()
         self.stretch = next_stretch
@@ -393,7 +397,8 @@ class PeakTracker:
             layer_recompute_bytes=profile.layer_recompute,
             hidden_states_kept_bytes=profile.hidden_states_kept,
             offload_removed_bytes=removed, keep_last=self.handle.config.keep_last)
-        self.result.update(micro_step=profile.micro_step, meter=profile.meter.name)
+        self.result.update(micro_step=profile.micro_step, meter=profile.meter.name,
+                           layer_phase_peak_bytes=max(0, int(profile.layer_phase_peak)))
         self._removing.append(profile.meter)
         if self.current is profile:
             self.current = None
