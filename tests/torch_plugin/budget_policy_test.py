@@ -1,16 +1,19 @@
 """The memory-budget policy (ckpt_offload.budget) on its own: plans within the budget, the
-last layers resident, kept outputs where they save the most per byte, monotone in the
-budget and the length; and memory_budget's parsing."""
+last layers resident, kept outputs where they save the most per byte, offloaded outputs
+within each layer's copy window, monotone in the budget and the length; and memory_budget's
+parsing."""
 
+import dataclasses
 import itertools
 
 import pytest
 
 from ckpt_offload import OffloadConfig
 from ckpt_offload import budget as budget_module
-from ckpt_offload.budget import (CHECKPOINT, RESIDENT, FRAGMENTATION_MARGIN, SELECTIVE,
-                                 KeptOutput, LayerCost, StepMeasurement, checkpointed_peak,
-                                 layer_steps, plan_layers, uniform_measurement)
+from ckpt_offload.budget import (CHECKPOINT, COPY_WINDOW_SHARE, RESIDENT, FRAGMENTATION_MARGIN,
+                                 SELECTIVE, KeptOutput, LayerCost, OutputOffload, StepMeasurement,
+                                 checkpointed_peak, layer_steps, offloaded_candidates,
+                                 plan_layers, uniform_measurement)
 from ckpt_offload.config import AUTO_BUDGET_MARGIN, parse_memory_budget
 
 GIB = 1 << 30
@@ -218,6 +221,117 @@ def test_selective_layers_spread_over_the_layers():
         sizes = [len(kept) for kept in plan.kept_outputs]
         steps = {len(s.kept) for s in layer_steps(measured.layers[0])}
         assert max(sizes) - min(sizes) <= max(steps), sizes
+
+
+# Offloaded outputs.
+
+ENGINE_DEFAULTS = OutputOffload(bytes_per_second=55e9, layers_on_device=2,
+                                last_layers_without=3, min_bytes=1 << 20)
+
+
+def llama_8b_offloading(tokens=TOKENS, layer_phase_gib=20.0):
+    """The 8B layers with their ops, a 64 MiB input each, and the layers' backward peaking
+    at `layer_phase_gib` (0: not measured)."""
+    measured = llama_8b_with_outputs(tokens)
+    layer = dataclasses.replace(measured.layers[0], input_bytes_per_token=64 * MIB / tokens)
+    return dataclasses.replace(measured, layers=(layer,) * 32,
+                               layer_phase_peak_bytes=int(layer_phase_gib * GIB))
+
+
+def test_a_layer_offloads_its_best_outputs_that_fit_its_copy_window():
+    layer = llama_8b_offloading().layers[0]
+    by_key = {o.key: o for o in layer.outputs}
+    for rate in (20e9, 55e9, 90e9):
+        offload = dataclasses.replace(ENGINE_DEFAULTS, bytes_per_second=rate)
+        keys, bytes_per_token, seconds_per_token = offloaded_candidates(
+            layer, TOKENS, offload, COPY_WINDOW_SHARE)
+        window = (COPY_WINDOW_SHARE * 12.1e-3 * rate - 64 * MIB) / TOKENS
+        assert 0 < bytes_per_token <= window
+        assert bytes_per_token == pytest.approx(sum(by_key[k].bytes_per_token for k in keys))
+        assert seconds_per_token == pytest.approx(sum(by_key[k].seconds_per_token for k in keys))
+        # Taken by rank: every op left out ranks below all taken ones it would not fit
+        # beside, and does not fit the rest of the window.
+        for key in set(by_key) - keys:
+            assert by_key[key].bytes_per_token > window - bytes_per_token
+        assert ("aten.mm.default", 6) in keys  # down: the most seconds per byte
+    at_55 = offloaded_candidates(layer, TOKENS, ENGINE_DEFAULTS, COPY_WINDOW_SHARE)[0]
+    # q, k, v, attention, o and down fit the window at 55 GB/s; gate and up do not.
+    assert {("aten.mm.default", i) for i in (0, 1, 2, 3, 6)} <= at_55
+    assert not {("aten.mm.default", 4), ("aten.mm.default", 5)} & at_55
+    # Outputs the engine would keep on the device (below min_bytes) are never offloaded.
+    small = dataclasses.replace(ENGINE_DEFAULTS, min_bytes=32 * MIB)
+    keys = offloaded_candidates(layer, TOKENS, small, COPY_WINDOW_SHARE)[0]
+    assert not {("aten.mm.default", 1), ("aten.mm.default", 2)} & keys
+
+
+def test_at_todays_memory_every_layer_but_the_last_offloads():
+    """The layers' backward peaks below the step's peak (the head's): the outputs in transit
+    fit beside it, so a budget of the checkpointed step's own peak offloads outputs of every
+    layer but the last ones, at the same predicted peak."""
+    measured = llama_8b_offloading()
+    base = checkpointed_peak(measured, TOKENS)
+    plan = plan_layers(measured, TOKENS, base, 0, ENGINE_DEFAULTS)
+    assert plan.offloading_layers == 29
+    assert plan.offloaded_outputs[29:] == (frozenset(),) * 3
+    assert plan.modes == (CHECKPOINT,) * 32 and plan.kept_output_bytes == 0
+    assert plan.predicted_peak_bytes == base
+    keys, _, seconds = offloaded_candidates(measured.layers[0], TOKENS, ENGINE_DEFAULTS,
+                                            COPY_WINDOW_SHARE)
+    assert plan.offloaded_outputs[0] == keys
+    assert plan.predicted_seconds_saved == pytest.approx(29 * seconds * TOKENS)
+    # Without the option nothing is offloaded, and nothing is saved at this budget.
+    assert plan_layers(measured, TOKENS, base).predicted_seconds_saved == 0
+
+
+@pytest.mark.parametrize("room_gib", [0, 0.2, 0.5, 1, 4])
+def test_outputs_in_transit_are_counted_and_their_windows_shrink_to_fit(room_gib):
+    """Without a measured layer phase the outputs in transit add to the step's peak: two
+    layers' worth (and the fragmentation margin); windows halve until that fits."""
+    measured = llama_8b_offloading(layer_phase_gib=0)
+    base = checkpointed_peak(measured, TOKENS)
+    budget = base + int(room_gib * GIB)
+    plan = plan_layers(measured, TOKENS, budget, 0, ENGINE_DEFAULTS)
+    assert plan.predicted_peak_bytes <= budget
+    if plan.offloading_layers:
+        by_key = {o.key: o for o in measured.layers[0].outputs}
+        largest = max(sum(by_key[k].bytes_per_token for k in keys)
+                      for keys in plan.offloaded_outputs) * TOKENS
+        transit = 2 * largest * (1 + FRAGMENTATION_MARGIN)
+        device = plan.kept_output_bytes * (1 + FRAGMENTATION_MARGIN) + plan.count(
+            RESIDENT) * measured.layers[0].saved_bytes_per_token * TOKENS * (
+                1 + FRAGMENTATION_MARGIN)
+        assert plan.predicted_peak_bytes == pytest.approx(base + transit + device, abs=64)
+    full = offloaded_candidates(measured.layers[0], TOKENS, ENGINE_DEFAULTS,
+                                COPY_WINDOW_SHARE)[1] * TOKENS
+    fits_whole = 2 * full * (1 + FRAGMENTATION_MARGIN) <= room_gib * GIB
+    assert (plan.offloaded_output_bytes == pytest.approx(29 * full, rel=1e-6)) == fits_whole
+
+
+def test_offloading_never_buys_less_and_resident_layers_offload_nothing():
+    measured = llama_8b_offloading()
+    saved = []
+    for gib in range(28, 140, 4):
+        offloading = plan_layers(measured, TOKENS, gib * GIB, 0, ENGINE_DEFAULTS)
+        plain = plan_layers(measured, TOKENS, gib * GIB)
+        assert offloading.predicted_seconds_saved >= plain.predicted_seconds_saved
+        assert offloading.predicted_peak_bytes <= gib * GIB
+        for mode, offloaded, kept in zip(offloading.modes, offloading.offloaded_outputs,
+                                         offloading.kept_outputs):
+            assert not (mode == RESIDENT and offloaded)
+            assert not offloaded & kept  # an op's output is kept or offloaded, not both
+        saved.append(offloading.predicted_seconds_saved)
+    assert saved == sorted(saved)
+    full = plan_layers(measured, TOKENS, int(0.95 * 139.8 * GIB), 0, ENGINE_DEFAULTS)
+    assert full.count(RESIDENT) == 32 and full.offloaded_output_bytes == 0
+
+
+def test_bad_offload_figures_are_refused():
+    with pytest.raises(ValueError, match="OutputOffload"):
+        dataclasses.replace(ENGINE_DEFAULTS, bytes_per_second=-1.0)
+    with pytest.raises(ValueError, match="OutputOffload"):
+        dataclasses.replace(ENGINE_DEFAULTS, last_layers_without=-1)
+    with pytest.raises(ValueError, match="LayerCost"):
+        LayerCost(1.0, 1.0, (), -1.0)
 
 
 def test_bad_kept_outputs_are_refused():

@@ -12,6 +12,9 @@ Each checkpointed layer runs in one of three modes:
   RESIDENT    not checkpointed: its saved tensors stay on the device from its forward to
               its backward, and its backward recomputes nothing.
 
+A CHECKPOINT or SELECTIVE layer may also offload the outputs of chosen ops (its *offloaded
+outputs*, see "Offloaded outputs") with its input, instead of recomputing them.
+
 Costs come from a measured step (every layer checkpointed): each layer's saved bytes and
 recompute time (counted while its recompute runs), each op of its recompute that could be
 kept (its output's bytes and its own time), the step's tokens, and its peak. A step of
@@ -37,6 +40,21 @@ least fragmented (measured on the H200: with the first layers resident instead, 
 reserved peak rose 4 GiB above the allocated one at a 33 GiB cap, and a 40 GiB cap ran out
 of memory). Each still forms an (empty) offload group, so that what is saved after the last
 layer, and only that, is taken for the model's head.
+
+Offloaded outputs. An op output can also go to the host with its layer's input (one
+offload group) and come back with it for the recompute, which skips that op: it holds device
+memory only while it is copied, and costs copy time, which the layer's forward hides up to
+its copy window: what the copy rate moves in the time of the layer's forward (about its
+recompute's), less the layer's input. Each layer offloads its candidates by rank (seconds
+per byte), each that still fits its window, before the budget is spent: it costs no device
+memory beyond the layers in transit. Those are at most `layers_on_device` layers' outputs
+beside a layer's backward (the prefetched layers' and the one being recomputed; in forward,
+the copies in flight), counted above the measured peak of the layers' backward (not the
+head's), the largest layer's outputs each. The last layers offload none: their groups stay
+on the device (keep_last), or are still in flight, while the head runs. When the layers in
+transit do not fit the budget, every window shrinks by half until they fit or none is left.
+The budget is then spent from there: a layer's other candidates, then the whole layer
+resident (a resident layer offloads nothing: its saved tensors stay).
 
 Lengths that change. A step whose length differs from the previous step's allocates into
 segments the allocator cut for the other length, and the largest block it asks for (a
@@ -82,6 +100,15 @@ OpKey = Tuple[str, int]
 # and the head's large blocks cannot use those free pieces (see "Memory").
 FRAGMENTATION_MARGIN = 0.15
 
+# Device-to-host copy rate of pinned host memory, measured on the H200 and the H100 (55 GB/s
+# either way), and the share of a layer's forward its copies may take (they queue behind the
+# layer's input and the previous layer's copies).
+HOST_COPY_BYTES_PER_SECOND = 55e9
+COPY_WINDOW_SHARE = 0.8
+# How often the windows may halve before no output is offloaded (1/256 of a window is
+# nothing worth copying).
+WINDOW_HALVINGS = 8
+
 
 @dataclasses.dataclass(frozen=True)
 class KeptOutput:
@@ -106,9 +133,12 @@ class LayerCost:
     saved_bytes_per_token: float
     recompute_seconds_per_token: float
     outputs: Tuple[KeptOutput, ...] = ()
+    # The bytes of its input that the engine offloads (each layer's group begins with it).
+    input_bytes_per_token: float = 0.0
 
     def __post_init__(self):
-        if not self.saved_bytes_per_token >= 0 or not self.recompute_seconds_per_token >= 0:
+        if (not self.saved_bytes_per_token >= 0 or not self.recompute_seconds_per_token >= 0
+                or not self.input_bytes_per_token >= 0):
             raise ValueError(f"LayerCost: figures must be >= 0, got {self}")
         keys = [output.key for output in self.outputs]
         if len(set(keys)) != len(keys):
@@ -133,12 +163,34 @@ class StepMeasurement:
     # The largest single block per token the step allocates, as far as known (a language
     # model's float32 logits; 0: unknown), for reserves (see "Lengths that change").
     largest_block_bytes_per_token: float = 0.0
+    # The device memory allocated at the peak of the layers' backward (recomputes included;
+    # the head's not), weights and all; 0: unknown (the step's peak stands for it).
+    layer_phase_peak_bytes: int = 0
 
     def __post_init__(self):
         if self.tokens <= 0:
             raise ValueError(f"StepMeasurement.tokens: must be > 0, got {self.tokens}")
-        if self.peak_bytes < 0 or self.activation_peak_bytes < 0:
+        if self.peak_bytes < 0 or self.activation_peak_bytes < 0 or self.layer_phase_peak_bytes < 0:
             raise ValueError("StepMeasurement: peak figures must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputOffload:
+    """What offloading op outputs may use (see "Offloaded outputs"): the copy rate to the
+    host; how many layers' offloaded outputs may be on the device at once beside a layer's
+    backward; how many last layers offload none; the bytes below which an output is not
+    offloaded (the engine keeps it on the device: min_offload_bytes)."""
+
+    bytes_per_second: float
+    layers_on_device: int
+    last_layers_without: int
+    min_bytes: int = 0
+
+    def __post_init__(self):
+        if not self.bytes_per_second >= 0 or self.layers_on_device < 0:
+            raise ValueError(f"OutputOffload: figures must be >= 0, got {self}")
+        if self.last_layers_without < 0 or self.min_bytes < 0:
+            raise ValueError(f"OutputOffload: figures must be >= 0, got {self}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,6 +211,10 @@ class LayerPlan:
     kept_outputs: Tuple[FrozenSet[OpKey], ...] = ()
     # The bytes those outputs take, all layers together.
     kept_output_bytes: int = 0
+    # Per layer, the ops whose outputs it offloads (see "Offloaded outputs"), and their
+    # bytes, all layers together.
+    offloaded_outputs: Tuple[FrozenSet[OpKey], ...] = ()
+    offloaded_output_bytes: int = 0
 
     def count(self, mode: str) -> int:
         return sum(m == mode for m in self.modes)
@@ -166,6 +222,14 @@ class LayerPlan:
     def kept(self, index: int) -> FrozenSet[OpKey]:
         """The ops whose outputs layer `index` keeps (empty unless it is SELECTIVE)."""
         return self.kept_outputs[index] if self.kept_outputs else frozenset()
+
+    def offloaded(self, index: int) -> FrozenSet[OpKey]:
+        """The ops whose outputs layer `index` offloads (empty for a RESIDENT layer)."""
+        return self.offloaded_outputs[index] if self.offloaded_outputs else frozenset()
+
+    @property
+    def offloading_layers(self) -> int:
+        return sum(bool(keys) for keys in self.offloaded_outputs)
 
     @property
     def fits(self) -> bool:
@@ -177,6 +241,10 @@ class LayerPlan:
         selective = self.count(SELECTIVE)
         kept = (f", {selective} checkpointed keeping {self.kept_output_bytes / gib:.2f} GiB of "
                 f"op outputs" if selective else "")
+        offloading = self.offloading_layers
+        if offloading:
+            kept += (f", {offloading} offloading {self.offloaded_output_bytes / gib:.2f} GiB of "
+                     f"op outputs")
         text = (f"{self.count(RESIDENT)} of {len(self.modes)} layers without checkpointing"
                 f"{kept}, {self.count(CHECKPOINT)} checkpointed; predicted peak "
                 f"{self.predicted_peak_bytes / gib:.2f} GiB of a {self.budget_bytes / gib:.2f} "
@@ -191,6 +259,16 @@ def checkpointed_peak(measured: StepMeasurement, tokens: int) -> int:
     """The predicted reserved peak of a step of `tokens` with every layer checkpointed."""
     growth = max(0.0, tokens / measured.tokens - 1.0) * measured.activation_peak_bytes
     return int(measured.peak_bytes + growth)
+
+
+def layer_phase_peak(measured: StepMeasurement, tokens: int) -> int:
+    """The predicted peak of the layers' backward in a step of `tokens` with every layer
+    checkpointed (the step's peak where it was not measured)."""
+    if not measured.layer_phase_peak_bytes:
+        return checkpointed_peak(measured, tokens)
+    start = measured.peak_bytes - measured.activation_peak_bytes  # allocated as it began
+    rise = max(0, measured.layer_phase_peak_bytes - start)
+    return int(measured.layer_phase_peak_bytes + max(0.0, tokens / measured.tokens - 1.0) * rise)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,9 +296,7 @@ def layer_steps(layer: LayerCost) -> List[_Step]:
     whole = (layer.saved_bytes_per_token, layer.recompute_seconds_per_token)
     if whole[1] <= 0:
         return []
-    ranked = sorted((o for o in layer.outputs if o.seconds_per_token > 0),
-                    key=lambda o: (-(o.seconds_per_token / o.bytes_per_token
-                                     if o.bytes_per_token > 0 else math.inf), o.key))
+    ranked = _ranked(layer.outputs)
     # (bytes, seconds, kept, resident); a prefix that costs the layer's bytes or saves its
     # time (timing noise) is no better than the whole layer.
     points = [(0.0, 0.0, frozenset(), False)]
@@ -248,28 +324,88 @@ def _not_below(a, b, c) -> bool:
     return (b[1] - a[1]) * (c[0] - a[0]) <= (c[1] - a[1]) * (b[0] - a[0])
 
 
+def offloaded_candidates(layer: LayerCost, tokens: int, offload: OutputOffload,
+                         window_share: float) -> Tuple[FrozenSet[OpKey], float, float]:
+    """The ops whose outputs `layer` offloads at `tokens` within `window_share` of its copy
+    window (see "Offloaded outputs"), and never more bytes than the layer saves, with their
+    bytes and seconds per token."""
+    # Never more than the layer saves: its outputs would be worth less than the layer.
+    window = min(window_share * layer.recompute_seconds_per_token * offload.bytes_per_second
+                 - layer.input_bytes_per_token, layer.saved_bytes_per_token)
+    if window <= 0 or layer.recompute_seconds_per_token <= 0:
+        return frozenset(), 0.0, 0.0
+    keys: List[OpKey] = []
+    total_bytes = total_seconds = 0.0
+    for output in _ranked(layer.outputs):
+        if output.bytes_per_token * tokens < max(offload.min_bytes, 1):
+            continue  # the engine would keep it on the device
+        if total_bytes + output.bytes_per_token > window:
+            continue
+        if total_seconds + output.seconds_per_token >= layer.recompute_seconds_per_token:
+            break  # timing noise: never more than the whole recompute
+        keys.append(output.key)
+        total_bytes += output.bytes_per_token
+        total_seconds += output.seconds_per_token
+    return frozenset(keys), total_bytes, total_seconds
+
+
+def _ranked(outputs) -> List[KeptOutput]:
+    """Outputs that save time, most seconds per byte first."""
+    return sorted((o for o in outputs if o.seconds_per_token > 0),
+                  key=lambda o: (-(o.seconds_per_token / o.bytes_per_token
+                                   if o.bytes_per_token > 0 else math.inf), o.key))
+
+
+def _without(layer: LayerCost, keys: FrozenSet[OpKey], seconds: float) -> LayerCost:
+    """`layer` as the budget sees it once `keys` are offloaded: those are no candidates,
+    and its recompute is `seconds` shorter."""
+    if not keys:
+        return layer
+    return dataclasses.replace(
+        layer, outputs=tuple(o for o in layer.outputs if o.key not in keys),
+        recompute_seconds_per_token=max(0.0, layer.recompute_seconds_per_token - seconds))
+
+
 def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int,
-                reserve_bytes: int = 0) -> LayerPlan:
+                reserve_bytes: int = 0, offload: Optional[OutputOffload] = None) -> LayerPlan:
     """The plan for a step of `tokens` tokens under `budget_bytes` of device memory (see the
-    module's "Time"): each layer's mode and kept outputs, chosen so that resident layers'
+    module's "Offloaded outputs" and "Time"): each layer's offloaded outputs, then its mode
+    and kept outputs, chosen so that the offloaded outputs in transit, resident layers'
     saved tensors and selective layers' kept outputs fit beside the checkpointed step's
     peak and `reserve_bytes` kept free. Its predicted peak plus the reserve never exceeds
     the budget unless the checkpointed step's alone does (then every layer is checkpointed
-    and keeps nothing)."""
+    and keeps nothing). Without `offload`, nothing is offloaded; with it, the plan is the
+    better of offloading and not (the memory of the layers in transit may buy more as
+    resident layers)."""
     if tokens <= 0:
         raise ValueError(f"tokens: must be > 0, got {tokens}")
     if budget_bytes <= 0:
         raise ValueError(f"budget_bytes: must be > 0, got {budget_bytes}")
     if reserve_bytes < 0:
         raise ValueError(f"reserve_bytes: must be >= 0, got {reserve_bytes}")
+    plan = _plan_with(measured, tokens, budget_bytes, reserve_bytes, None)
+    if offload is not None:
+        offloading = _plan_with(measured, tokens, budget_bytes, reserve_bytes, offload)
+        if offloading.predicted_seconds_saved > plan.predicted_seconds_saved:
+            plan = offloading
+    return plan
+
+
+def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserve_bytes: int,
+               offload: Optional[OutputOffload]) -> LayerPlan:
     base = checkpointed_peak(measured, tokens)
     count = len(measured.layers)
-    steps = [layer_steps(layer) for layer in measured.layers]
+    offloaded, offloaded_seconds, transit = _offloaded_plan(
+        measured, tokens, budget_bytes - reserve_bytes, offload)
+    layers = [_without(layer, offloaded[i], offloaded_seconds[i])
+              for i, layer in enumerate(measured.layers)]
+    steps = [layer_steps(layer) for layer in layers]
     taken = [0] * count
     stopped = [False] * count
     resident = [False] * count
     kept: List[FrozenSet[OpKey]] = [frozenset()] * count
-    peak, saved = float(base), 0.0
+    peak = float(base + transit)
+    saved = sum(offloaded_seconds) * tokens
     while True:
         best: Optional[int] = None
         for index in reversed(range(count)):  # the last layers first among equals
@@ -298,10 +434,46 @@ def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int,
                          for i in range(count))
     kept_bytes = sum(step.bytes_per_token for i in range(count) if modes[i] == SELECTIVE
                      for step in steps[i][:taken[i]]) * tokens
+    offloaded_outputs = tuple(frozenset() if modes[i] == RESIDENT else offloaded[i]
+                              for i in range(count))
+    offloaded_bytes = sum(o.bytes_per_token for i in range(count)
+                          for o in measured.layers[i].outputs
+                          if o.key in offloaded_outputs[i]) * tokens
     return LayerPlan(tokens=tokens, budget_bytes=int(budget_bytes), modes=modes,
                      predicted_peak_bytes=int(peak), predicted_seconds_saved=saved,
                      checkpointed_peak_bytes=base, reserve_bytes=int(reserve_bytes),
-                     kept_outputs=kept_outputs, kept_output_bytes=int(round(kept_bytes)))
+                     kept_outputs=kept_outputs, kept_output_bytes=int(round(kept_bytes)),
+                     offloaded_outputs=offloaded_outputs,
+                     offloaded_output_bytes=int(round(offloaded_bytes)))
+
+
+def _offloaded_plan(measured: StepMeasurement, tokens: int, room: int,
+                    offload: Optional[OutputOffload]):
+    """Each layer's offloaded outputs and their seconds per token, and the bytes their
+    transit adds to the checkpointed step's peak (see "Offloaded outputs"), for the widest
+    windows (a half, a quarter, ... of each) whose transit fits `room`."""
+    count = len(measured.layers)
+    none = [frozenset()] * count, [0.0] * count, 0
+    if offload is None or offload.bytes_per_second <= 0:
+        return none
+    base = checkpointed_peak(measured, tokens)
+    layer_base = layer_phase_peak(measured, tokens)
+    share = COPY_WINDOW_SHARE
+    for _ in range(WINDOW_HALVINGS + 1):
+        chosen = [offloaded_candidates(layer, tokens, offload, share)
+                  if index < count - offload.last_layers_without
+                  else (frozenset(), 0.0, 0.0)
+                  for index, layer in enumerate(measured.layers)]
+        largest = max(bytes_per_token for _, bytes_per_token, _ in chosen) * tokens
+        if largest <= 0:
+            return none
+        in_transit = offload.layers_on_device * largest * (1.0 + FRAGMENTATION_MARGIN)
+        transit = max(0.0, layer_base + in_transit - base)
+        if base + transit <= room:
+            return ([keys for keys, _, _ in chosen], [seconds for _, _, seconds in chosen],
+                    int(math.ceil(transit)))
+        share /= 2
+    return none
 
 
 def plan_summary(plan: LayerPlan) -> Dict[str, float]:
@@ -316,6 +488,8 @@ def plan_summary(plan: LayerPlan) -> Dict[str, float]:
         "budget_predicted_peak_bytes": plan.predicted_peak_bytes,
         "budget_predicted_saved_ms": plan.predicted_seconds_saved * 1e3,
         "budget_reserve_bytes": plan.reserve_bytes,
+        "budget_offloading_layers": plan.offloading_layers,
+        "budget_offloaded_output_bytes": plan.offloaded_output_bytes,
     }
 
 
