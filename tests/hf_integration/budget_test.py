@@ -15,7 +15,8 @@ from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ckpt_offload.budget import CHECKPOINT, RESIDENT, SELECTIVE, LayerPlan, plan_layers
+from ckpt_offload.budget import (CHECKPOINT, RESIDENT, SELECTIVE, LayerPlan, checkpointed_peak,
+                                 plan_layers)
 from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
 from ckpt_offload.hf import layer_budget
 from ckpt_offload.hf.compile import LAYER_CALL_IS_CHECKPOINTED
@@ -34,10 +35,10 @@ def ticking_clock(monkeypatch):
     monkeypatch.setattr(layer_budget, "_clock", lambda: float(next(ticks)))
 
 
-def llama(dropout: float = 0.0, layers: int = LAYERS) -> LlamaForCausalLM:
+def llama(dropout: float = 0.0, layers: int = LAYERS, vocab: int = VOCAB) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
         attention_dropout=dropout, attn_implementation="eager",
         bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -182,6 +183,122 @@ def test_selective_layers_skip_their_kept_ops_in_the_recompute(model_name):
     assert_identical(expected, actual)
     assert counts[:2] == plain_counts[:2]  # checkpointed, then measured
     assert counts[2:] == [c - 4 * LAYERS for c in plain_counts[2:]]
+
+
+@pytest.mark.parametrize("model_name", sorted(MODELS))
+def test_offloaded_outputs_go_to_the_host_and_the_recompute_skips_them(model_name):
+    """A plan whose layers offload their first four matrix multiplies' outputs with their
+    inputs, every other layer keeping its fifth on the device besides: each recompute skips
+    those ops, the engine moves the outputs, losses and gradients stay bit-identical, and
+    after every step the host pool holds nothing."""
+    make_model = MODELS[model_name]
+    lengths = [32] * STEPS
+    offloaded = frozenset(("aten.mm.default", i) for i in range(4))
+    kept = tuple(frozenset({("aten.mm.default", 4)}) if i % 2 else frozenset()
+                 for i in range(LAYERS))
+    plan = LayerPlan(tokens=64, budget_bytes=1 << 40,
+                     modes=tuple(SELECTIVE if k else CHECKPOINT for k in kept),
+                     predicted_peak_bytes=0, predicted_seconds_saved=0.0,
+                     checkpointed_peak_bytes=0, kept_outputs=kept,
+                     offloaded_outputs=(offloaded,) * LAYERS)
+
+    def backward_ops(with_plan):
+        model = checkpointed(make_model())
+        handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+        handle._budget._plans[(64, False)] = plan if with_plan else LayerPlan(
+            tokens=64, budget_bytes=1 << 40, modes=(CHECKPOINT,) * LAYERS,
+            predicted_peak_bytes=0, predicted_seconds_saved=0.0, checkpointed_peak_bytes=0)
+        losses, grads, counts, moved = [], [], [], []
+        torch.manual_seed(11)
+        model.train()
+        for ids in batches(lengths):
+            model.zero_grad(set_to_none=True)
+            loss = model(input_ids=ids, labels=ids).loss
+            counter = OpCounter()
+            with counter:
+                loss.backward()
+            stats = handle.stats()
+            losses.append(loss.detach().clone())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                          if p.grad is not None})
+            counts.append(counter.counts.get("aten.mm.default", 0))
+            moved.append(stats["offloaded_tensors"])
+            del loss
+            assert handle.stats()["host_live_bytes"] == 0
+        handle.disable()
+        return (losses, grads), counts, moved
+
+    expected, plain_counts, plain_moved = backward_ops(with_plan=False)
+    actual, counts, moved = backward_ops(with_plan=True)
+    assert_identical(expected, actual)
+    assert counts[:2] == plain_counts[:2]  # checkpointed, then measured
+    skipped = 4 * LAYERS + LAYERS // 2
+    assert counts[2:] == [c - skipped for c in plain_counts[2:]]
+    # Every layer's input moves (the last group's too: the head's restore prefetches it),
+    # and with a plan its four outputs.
+    assert moved[:2] == plain_moved[:2] and plain_moved[2:] == [LAYERS] * (STEPS - 2)
+    assert moved[2:] == [m + 4 * LAYERS for m in plain_moved[2:]]
+
+
+def test_a_budget_at_todays_memory_offloads_outputs_bit_identically():
+    """memory_budget at the checkpointed step's own peak, which the head's logits set (a
+    large vocabulary): nothing fits on the device beside it, but the layers offload op
+    outputs, all except the last ones (whose groups are on the device while the head runs),
+    their transit below the head's peak; the measured peak stays within the predicted one."""
+    lengths = [32] * STEPS
+    make_model = functools.partial(llama, vocab=4096)
+    measured = measurement_of(make_model, lengths)
+    budget = checkpointed_peak(measured, 64)
+    assert measured.layer_phase_peak_bytes < budget
+    expected = run(checkpointed(make_model()), batches(lengths))
+    model = checkpointed(make_model())
+    handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    model.train()
+    torch.manual_seed(11)
+    losses, grads = [], []
+    for step, ids in enumerate(batches(lengths), start=1):
+        model.zero_grad(set_to_none=True)
+        meter = LiveTensorMeter().start() if step > MEASURED_STEP else None
+        try:
+            loss = model(input_ids=ids, labels=ids).loss
+            stats = handle.stats()
+            loss.backward()
+        finally:
+            if meter is not None:
+                meter.stop()
+                assert meter.remove()
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        if meter is not None:
+            assert stats["budget_offloading_layers"] == LAYERS - 3
+            assert stats["budget_offloaded_output_bytes"] > 0
+            assert stats["budget_resident_layers"] == 0
+            assert meter.peak() <= stats["budget_predicted_peak_bytes"], step
+    assert_identical(expected, (losses, grads))
+    handle.disable()
+
+
+def test_a_dropped_step_frees_its_offloaded_outputs():
+    """A forward whose loss is dropped (no backward): what its layers offloaded goes back to
+    the pool by the next step."""
+    lengths = [32] * 4
+    model = checkpointed(llama())
+    offloaded = frozenset(("aten.mm.default", i) for i in range(4))
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    handle._budget._plans[(64, False)] = LayerPlan(
+        tokens=64, budget_bytes=1 << 40, modes=(CHECKPOINT,) * LAYERS, predicted_peak_bytes=0,
+        predicted_seconds_saved=0.0, checkpointed_peak_bytes=0,
+        offloaded_outputs=(offloaded,) * LAYERS)
+    model.train()
+    ids_list = batches(lengths)
+    for ids in ids_list[:2]:
+        model(input_ids=ids, labels=ids).loss.backward()
+    loss = model(input_ids=ids_list[2], labels=ids_list[2]).loss
+    assert handle.stats()["host_live_bytes"] > 0
+    del loss
+    model(input_ids=ids_list[3], labels=ids_list[3]).loss.backward()
+    assert handle.stats()["host_live_bytes"] == 0
+    handle.disable()
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

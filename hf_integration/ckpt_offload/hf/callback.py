@@ -45,6 +45,8 @@ BUDGET_FIGURES = {
     "offload/budget_selective_layers": ("budget_selective_layers", 1),
     "offload/budget_checkpointed_layers": ("budget_checkpointed_layers", 1),
     "offload/budget_kept_output_gib": ("budget_kept_output_bytes", GIB),
+    "offload/budget_offloading_layers": ("budget_offloading_layers", 1),
+    "offload/budget_offloaded_output_gib": ("budget_offloaded_output_bytes", GIB),
     "offload/budget_predicted_peak_gib": ("budget_predicted_peak_bytes", GIB),
     "offload/budget_measured_peak_gib": ("budget_measured_peak_bytes", GIB),
     "offload/budget_predicted_saved_ms": ("budget_predicted_saved_ms", 1),

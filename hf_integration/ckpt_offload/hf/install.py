@@ -59,7 +59,7 @@ from ckpt_offload.budget import RESIDENT
 from ckpt_offload.config import INT64_MAX, check_int, make_config
 from ckpt_offload.hf.compile import (
     CompiledRegions, backend_of, enclosing_compiled_module, tell_once)
-from ckpt_offload.hf.layer_budget import LayerBudget, keeping
+from ckpt_offload.hf.layer_budget import LayerBudget, keeping, saving_outputs
 from ckpt_offload.hf.peak import STAT_KEYS as PEAK_STAT_KEYS
 from ckpt_offload.hf.peak import PeakTracker
 
@@ -741,8 +741,12 @@ class _OffloadingCheckpoint:
         if budget.measuring():
             # A user's own context_fn decides what the recompute keeps: no candidates.
             function = budget.measure(layer, function, "context_fn" not in options)
-        kept = budget.kept(layer)
-        if kept and "context_fn" not in options:
+        kept, offloaded = budget.kept(layer), budget.offloaded(layer)
+        if offloaded and tensors and "context_fn" not in options:
+            # The plan's ops offload their outputs with the layer's input (and keep those it
+            # keeps on the device) for the recompute, which skips them.
+            options["context_fn"] = saving_outputs(self.handle.engine, kept, offloaded)
+        elif kept and "context_fn" not in options:
             # SELECTIVE: the plan's ops keep their outputs for the recompute.
             options["context_fn"] = keeping(kept)
             if _ASKS_SAC_HOOKS:

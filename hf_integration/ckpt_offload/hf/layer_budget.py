@@ -66,9 +66,10 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy,
                                     create_selective_checkpoint_contexts)
 
+from ckpt_offload import budget as policy
 from ckpt_offload.budget import (CHECKPOINT, RESIDENT, SELECTIVE, KeptOutput, LayerCost, LayerPlan,
-                                 OpKey, StepMeasurement, checkpointed_peak, plan_layers,
-                                 plan_summary)
+                                 OpKey, OutputOffload, StepMeasurement, checkpointed_peak,
+                                 plan_layers, plan_summary)
 from ckpt_offload.config import parse_memory_budget
 
 logger = logging.getLogger("ckpt_offload.hf")
@@ -82,7 +83,8 @@ MEASURED_STEP = 2
 STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers",
              "budget_checkpointed_layers", "budget_kept_output_bytes", "budget_tokens",
              "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
-             "budget_reserve_bytes", "budget_measured_peak_bytes", "budget_measuring")
+             "budget_reserve_bytes", "budget_offloading_layers", "budget_offloaded_output_bytes",
+             "budget_measured_peak_bytes", "budget_measuring")
 
 # The wall clock of measurements on CPU (tests replace it with a deterministic one).
 _clock = time.perf_counter
@@ -140,6 +142,7 @@ class _LayerProbe:
 
     def __init__(self, cuda: bool):
         self.storages: Dict[int, int] = {}  # StorageImpl address -> bytes
+        self.input_bytes = 0  # of the tensors its checkpoint offloads (its forward's)
         self.seconds = 0.0
         self.timer = _Timer(cuda)
         self._intervals: List[Any] = []
@@ -367,6 +370,90 @@ def keeping(kept: FrozenSet[OpKey]) -> Callable:
     return context_fn
 
 
+class _OutputSaver(TorchDispatchMode):
+    """A layer's forward under a plan that offloads op outputs: the outputs of the ops
+    `offloaded` names go to the engine with the layer's input (its open group), those of the
+    ops `kept` names stay on the device; both into `saved`, by op. Ops are named as the meter
+    names them (see "Kept outputs")."""
+
+    supports_higher_order_operators = True  # they run as they are (the meter's rule)
+
+    def __init__(self, engine, kept: FrozenSet[OpKey], offloaded: FrozenSet[OpKey],
+                 saved: Dict[OpKey, Any]):
+        super().__init__()
+        self.engine = engine
+        self.kept = kept
+        self.offloaded = offloaded
+        self.saved = saved
+        self.counts: Dict[str, int] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        key = _counted_key(self.counts, func)
+        if key in self.offloaded:
+            self.saved[key] = _map_tensors(self.engine.save_into_group, out)
+        elif key in self.kept:
+            self.saved[key] = _map_tensors(self.engine.keep_here, out)
+        return out
+
+
+class _OutputReplay(TorchDispatchMode):
+    """The layer's recompute under the same plan: an op whose outputs `saved` holds returns
+    them (restored from the host, or as kept) instead of running; every other op runs."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, engine, saved: Dict[OpKey, Any]):
+        super().__init__()
+        self.engine = engine
+        self.saved = saved
+        self.counts: Dict[str, int] = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = _counted_key(self.counts, func)
+        handles = self.saved.get(key) if key is not None else None
+        if handles is None:
+            return func(*args, **kwargs)
+        return _map_tensors(self.engine.restore, handles, handles=True)
+
+
+def _counted_key(counts: Dict[str, int], func) -> Optional[OpKey]:
+    """The op's key as the meter gives it (None for the ops the meter does not count)."""
+    if func in SAC_IGNORED_OPS or isinstance(func, torch._ops.HigherOrderOperator):
+        return None
+    name = _op_name(func)
+    key = (name, counts[name])
+    counts[name] += 1
+    return key
+
+
+def _map_tensors(function: Callable, value, handles: bool = False):
+    """`value` (an op's output, or what was saved of it) with `function` applied to each
+    tensor (each saved handle): other leaves (sizes, None) as they are."""
+    from torch.utils._pytree import tree_map
+    if handles:
+        return tree_map(lambda x: x.value if isinstance(x, _Plain) else function(x), value)
+    return tree_map(lambda x: function(x) if isinstance(x, torch.Tensor) else _Plain(x), value)
+
+
+class _Plain:
+    """A saved output leaf that is no tensor (a size, None): returned as it was."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def saving_outputs(engine, kept: FrozenSet[OpKey], offloaded: FrozenSet[OpKey]) -> Callable:
+    """A checkpoint context_fn for a layer that offloads the outputs of the ops `offloaded`
+    names (and keeps those of `kept` on the device) for its recompute, which skips them."""
+    def context_fn():
+        saved: Dict[OpKey, Any] = {}
+        return (_OutputSaver(engine, kept, offloaded, saved), _OutputReplay(engine, saved))
+    return context_fn
+
+
 class LayerBudget:
     """The budget of one OffloadHandle (see the module's docstring)."""
 
@@ -381,6 +468,8 @@ class LayerBudget:
         self._plans: Dict[tuple, LayerPlan] = {}  # by (tokens, length changed)
         self._previous_tokens = 0
         self._vocab = _output_vocab(handle.model)
+        # The copy rate offloaded outputs are planned with (0: none are offloaded).
+        self.copy_bytes_per_second = policy.HOST_COPY_BYTES_PER_SECOND
         self._probes: Optional[Dict[nn.Module, _LayerProbe]] = None
         self._seen: Dict[int, Any] = {}  # address -> (weak ref, first layer) in the measured step
         self._measured_tokens = 0
@@ -437,6 +526,13 @@ class LayerBudget:
             return frozenset()
         return self.plan.kept(index)
 
+    def offloaded(self, layer: Optional[nn.Module]) -> FrozenSet[OpKey]:
+        """The ops whose outputs `layer` offloads in the running step."""
+        index = self.layer_index.get(layer) if layer is not None else None
+        if self.plan is None or index is None:
+            return frozenset()
+        return self.plan.offloaded(index)
+
     def measuring(self) -> bool:
         return self._probes is not None
 
@@ -452,8 +548,15 @@ class LayerBudget:
 
         def measured(*args, **kwargs):
             top = torch._C._autograd._top_saved_tensors_default_hooks(True)
-            if torch._C._current_graph_task_id() == -1 or top is None:
-                return function(*args, **kwargs)  # the forward: nothing is saved
+            if torch._C._current_graph_task_id() == -1:
+                # The forward: nothing is saved; what the checkpoint offloads is its input.
+                probe.input_bytes = max(probe.input_bytes, sum(
+                    a.untyped_storage().nbytes() for a in args
+                    if isinstance(a, torch.Tensor) and _has_storage(a)
+                    and not isinstance(a, nn.Parameter)))
+                return function(*args, **kwargs)
+            if top is None:
+                return function(*args, **kwargs)
             pack, unpack = top
             params = None
 
@@ -516,7 +619,8 @@ class LayerBudget:
             probe.settle()
             layers.append(LayerCost(sum(probe.storages.values()) / self._measured_tokens,
                                     probe.seconds / self._measured_tokens,
-                                    probe.outputs(self._measured_tokens)))
+                                    probe.outputs(self._measured_tokens),
+                                    probe.input_bytes / self._measured_tokens))
         self._seen = {}
         if not any(cost.recompute_seconds_per_token > 0 for cost in layers):
             return  # no recompute ran (the step saw no backward): a later step measures
@@ -527,7 +631,8 @@ class LayerBudget:
         measured = StepMeasurement(
             tokens=self._measured_tokens, layers=tuple(layers), peak_bytes=int(peak),
             activation_peak_bytes=int(activation_peak), step_seconds=step_seconds,
-            largest_block_bytes_per_token=self._largest_block_per_token(activation_peak))
+            largest_block_bytes_per_token=self._largest_block_per_token(activation_peak),
+            layer_phase_peak_bytes=self._layer_phase_peak())
         self.measurements[measured.tokens] = measured
         self._report_measurement(measured, probes)
 
@@ -541,6 +646,31 @@ class LayerBudget:
         if self._cuda:
             return max(0, torch.cuda.max_memory_allocated() - self._allocated_at_start)
         return sum(cost.saved_bytes_per_token for cost in layers) * self._measured_tokens
+
+    def _layer_phase_peak(self) -> int:
+        """The measured step's peak during the layers' backward, weights and all (0: not
+        profiled)."""
+        breakdown = self.handle._peak.result
+        if breakdown is None or breakdown.get("micro_step") != self.handle._micro_steps:
+            return 0
+        rise = breakdown.get("layer_phase_peak_bytes", 0)
+        return int(self._allocated_at_start + rise) if rise else 0
+
+    def _output_offload(self) -> Optional[OutputOffload]:
+        """What offloading op outputs may use under this installation's engine settings
+        (see ckpt_offload.budget, "Offloaded outputs"); None without an offload backend."""
+        engine = self.handle.engine
+        if engine.backend is None or self.copy_bytes_per_second <= 0:
+            return None
+        config = engine.config
+        return OutputOffload(
+            bytes_per_second=self.copy_bytes_per_second,
+            # Beside a layer's backward: the layers prefetched and the one recomputed; in
+            # forward: the groups whose copies are in flight.
+            layers_on_device=max(config.prefetch_depth + 1, config.max_inflight_d2h_groups),
+            # On the device while the head runs: the kept groups and those still in flight.
+            last_layers_without=config.keep_last + config.max_inflight_d2h_groups,
+            min_bytes=config.min_offload_bytes)
 
     def _largest_block_per_token(self, activation_peak: float) -> float:
         """The LM head's float32 logits per token, bounded by the measured step's head
@@ -559,7 +689,7 @@ class LayerBudget:
             self._say("no_device", "ckpt_offload.hf: memory_budget=%r needs a CUDA device to "
                       "size it; without one the plan keeps the measured step's peak", self.value)
         reserve = int(measured.largest_block_bytes_per_token * tokens) if changed else 0
-        plan = plan_layers(measured, tokens, budget, reserve)
+        plan = plan_layers(measured, tokens, budget, reserve, self._output_offload())
         self._say(("plan", tokens, changed), "ckpt_offload.hf: memory budget, %d tokens per "
                   "micro-step%s: %s; predicted to save %.1f ms of recompute", tokens,
                   " (length changed: %.2f GiB kept free)" % (reserve / GIB) if reserve else "",
@@ -591,7 +721,7 @@ class LayerBudget:
         if self.value is not None or measured is None or device is None:
             return None
         budget = parse_memory_budget("auto", device)
-        plan = plan_layers(measured, measured.tokens, budget)
+        plan = plan_layers(measured, measured.tokens, budget, 0, self._output_offload())
         if plan.count(CHECKPOINT) == len(plan.modes):
             return None
         return (f"The step uses {measured.peak_bytes / GIB:.1f} GiB of {device / GIB:.1f} GiB: "
