@@ -11,7 +11,8 @@ LoRA model over one shared base:
 
 - ckpt: every layer checkpointed (non-reentrant), the reference of every ratio;
 - ckpt_offload: today's ckpt_offload (inputs offloaded, every layer checkpointed);
-- budget: ckpt_offload with memory_budget="auto" (95 % of the cap);
+- budget: ckpt_offload with memory_budget="auto" (95 % of the cap), or --budget;
+- budget_keep: the same budget with no op outputs offloaded (kept on the device only);
 - none: no checkpointing, where it fits;
 - every_n: transformers' every_n_layers at the largest N (fewest layers checkpointed) of
   2, 3, 4, 6, 8, 16, 32 whose step fits, found before the timed rounds.
@@ -41,7 +42,7 @@ from workloads import base_model, lora_model
 
 GIB = 2**30
 PLAN_LETTERS = {"checkpoint": "C", "selective": "S", "resident": "R"}
-MODES = ("ckpt", "ckpt_offload", "budget", "none", "every_n")
+MODES = ("ckpt", "ckpt_offload", "budget", "budget_keep", "none", "every_n")
 EVERY_N = (32, 16, 8, 6, 4, 3, 2)
 WARMUP = 3
 # The allocator's figures an OOM reports: what tensors hold, what segments hold, and the free
@@ -121,8 +122,11 @@ def make_modes(names, base, budget="auto") -> List[Mode]:
         model = lora_model(base)
         if name == "ckpt_offload":
             modes.append(Mode(name, model, enable_activation_offload(model)))
-        elif name == "budget":
-            modes.append(Mode(name, model, enable_activation_offload(model, memory_budget=budget)))
+        elif name in ("budget", "budget_keep"):
+            handle = enable_activation_offload(model, memory_budget=budget)
+            if name == "budget_keep":
+                handle._budget.copy_bytes_per_second = 0
+            modes.append(Mode(name, model, handle))
         elif name == "none":
             model.base_model.model.gradient_checkpointing_disable()
             modes.append(Mode(name, model))
@@ -235,6 +239,8 @@ def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict
             resident=stats.get("budget_resident_layers"),
             selective=stats.get("budget_selective_layers"),
             kept_output_gib=stats.get("budget_kept_output_bytes", 0) / GIB,
+            offloaded_output_gib=stats.get("budget_offloaded_output_bytes", 0) / GIB,
+            exposed_wait_ms=stats.get("exposed_wait_ms"),
             predicted_saved_ms=stats.get("budget_predicted_saved_ms"),
             predicted_peak_gib=stats.get("budget_predicted_peak_bytes", 0) / GIB,
             plan_tokens=stats.get("budget_tokens")))
@@ -284,6 +290,12 @@ def table(report) -> str:
                 kept = stats.get("budget_kept_output_bytes", 0)
                 if kept:
                     plan += f", kept {kept / GIB:.1f} GiB"
+                offloaded = stats.get("budget_offloaded_output_bytes", 0)
+                if offloaded:
+                    plan += (f", {stats.get('budget_offloading_layers', 0)} offload "
+                             f"{offloaded / GIB:.1f} GiB of outputs")
+                if "exposed_wait_ms" in stats:
+                    plan += f", exposed wait {stats['exposed_wait_ms']:.1f} ms"
                 predicted = stats.get("budget_predicted_peak_bytes", 0)
                 if predicted:
                     plan += f", predicted peak {predicted / GIB:.1f} GiB"

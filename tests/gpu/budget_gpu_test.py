@@ -2,7 +2,10 @@
 that fits some layers resident and not all. The plan mixes the modes (resident layers, and
 selective ones keeping op outputs where those save more per byte), the step's reserved
 peak stays under the cap and within the plan's prediction, and losses and gradients are
-bit-identical to full checkpointing (eager attention: deterministic kernels).
+bit-identical to full checkpointing (eager attention: deterministic kernels). With Llama
+3's vocabulary (the head's logits set the step's peak), a budget of the checkpointed
+step's own peak offloads op outputs through the engine, bit-identically, at the memory
+ckpt_offload uses without a budget.
 
     python -m pytest -s tests/gpu/budget_gpu_test.py
 """
@@ -18,13 +21,13 @@ SEQ, STEPS, LAYERS = 4096, 6, 16
 GIB = 2**30
 
 
-def lora_llama():
+def lora_llama(vocab=32000):
     import transformers
     from peft import LoraConfig, get_peft_model
 
     config = transformers.LlamaConfig(
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=LAYERS,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=vocab,
         max_position_embeddings=SEQ, attn_implementation="eager", use_cache=False)
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -36,11 +39,14 @@ def lora_llama():
                                             lora_dropout=0.0, task_type="CAUSAL_LM"))
 
 
-def run(model, handle=None):
-    ids = torch.randint(0, 32000, (1, SEQ), generator=torch.Generator().manual_seed(0)).cuda()
+def run(model, handle=None, empty_cache=False):
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, SEQ), generator=torch.Generator().manual_seed(0)).cuda()
     losses, grads, reserved, plans = [], [], [], []
     for _ in range(STEPS):
         torch.cuda.synchronize()
+        if empty_cache:  # each step's reserved peak its own
+            torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -98,3 +104,42 @@ def test_a_plan_at_a_cap_fits_and_is_bit_identical():
         assert torch.equal(losses[step], expected_losses[step]), step
         for name, grad in expected_grads[step].items():
             assert torch.equal(grads[step][name], grad), (step, name)
+
+
+def test_a_budget_of_todays_memory_offloads_outputs_bit_identically():
+    from ckpt_offload.hf import enable_activation_offload
+
+    vocab = 128256
+    expected_losses, expected_grads, _, _ = run(lora_llama(vocab))
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    model = lora_llama(vocab)
+    handle = enable_activation_offload(model)
+    _, _, today, _ = run(model, handle, empty_cache=True)
+    measured = handle._budget.measurement  # measured without a budget too (for advice)
+    handle.disable()
+    del model, handle
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    model = lora_llama(vocab)
+    handle = enable_activation_offload(model, memory_budget=measured.peak_bytes)
+    losses, grads, reserved, plans = run(model, handle, empty_cache=True)
+    stats = handle.stats()
+    plan = plans[-1]
+    print(f"today's reserved peak {max(today[2:]) / GIB:.2f} GiB; budget "
+          f"{measured.peak_bytes / GIB:.2f} GiB (layer phase "
+          f"{measured.layer_phase_peak_bytes / GIB:.2f}): {plan['budget_offloading_layers']} "
+          f"layers offload {plan['budget_offloaded_output_bytes'] / GIB:.2f} GiB of outputs, "
+          f"predicted to save {plan['budget_predicted_saved_ms']:.1f} ms; reserved peaks "
+          f"{[round(r / GIB, 2) for r in reserved]}; exposed wait "
+          f"{stats['exposed_wait_ms']:.2f} ms")
+    assert 0 < plan["budget_offloading_layers"] <= LAYERS - 3  # the last ones never do
+    assert plan["budget_resident_layers"] == 0 and plan["budget_kept_output_bytes"] == 0
+    assert max(reserved[2:]) <= max(today[2:]) + GIB // 2
+    for step in range(STEPS):
+        assert torch.equal(losses[step], expected_losses[step]), step
+        for name, grad in expected_grads[step].items():
+            assert torch.equal(grads[step][name], grad), (step, name)
+    handle.disable()
