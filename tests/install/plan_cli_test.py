@@ -280,8 +280,35 @@ def test_kept_outputs_given_as_one_set():
     poor = budget_figures("--memory_budget=40GiB", "--kept_gib=1", "--kept_ms=1")
     assert poor["selective_layers"] == 0 and not poor["kept_outputs_estimated"]
     rich = budget_figures("--memory_budget=40GiB", "--kept_gib=0.3", "--kept_ms=6")
-    assert rich["selective_layers"] + rich["resident_layers"] == 32
+    # Each layer keeps the set, offloads it (it fits a layer's copy window), or is resident.
+    assert rich["selective_layers"] + rich["resident_layers"] + rich["offloading_layers"] == 32
     assert rich["predicted_step_ms"] < 1351.5 - 32 * 6 + 1
+
+
+def test_at_the_checkpointed_peak_layers_offload_outputs_that_fit_their_copy_window():
+    """A budget of the checkpointed step's peak and 1 GiB: room for the outputs in transit
+    (two layers' sets, counted above the step's peak, the layers' own backward peak not
+    known here) and not for one more kept on the device. Every layer except the last
+    keep_last + max_inflight_d2h_groups offloads the outputs that its forward's copy window
+    holds (its input and its outputs at the planner's D2H rate in its forward's time)."""
+    at_peak = budget_figures("--memory_budget=28.5GiB", "--kept_gib=0.3", "--kept_ms=6",
+                             "--max_inflight_d2h_groups=2", "--keep_last=1")
+    assert at_peak["offloading_layers"] == 32 - 3
+    assert at_peak["resident_layers"] == at_peak["selective_layers"] == 0
+    assert at_peak["offloaded_output_bytes"] == pytest.approx(29 * 0.3 * 2**30, rel=1e-6)
+    assert at_peak["predicted_step_ms"] == pytest.approx(1351.5 - 29 * 6)
+    # A set larger than the window (0.8 x 12.1 ms x 55 GB/s, less the 64 MiB input) is not.
+    large = budget_figures("--memory_budget=28.5GiB", "--kept_gib=0.5", "--kept_ms=6")
+    assert large["offloading_layers"] == 0
+    assert large["predicted_step_ms"] > at_peak["predicted_step_ms"]
+    # A slower copy rate shrinks the window below the set.
+    slow = budget_figures("--memory_budget=28.5GiB", "--kept_gib=0.3", "--kept_ms=6",
+                          "--d2h_gbps=20")
+    assert slow["offloading_layers"] == 0
+    text = run("--preset=llama-8b", "--seq=8192", "--step_peak_gib=27.5", "--layer_gib=2.25",
+               "--layer_ms=12.1", "--step_ms=1351.5", "--memory_budget=28.5GiB",
+               "--kept_gib=0.3", "--kept_ms=6").stdout
+    assert "29 layers offload 8.70 GiB of op outputs" in text
 
 
 @pytest.mark.parametrize("args, flag", [

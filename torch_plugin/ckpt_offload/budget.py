@@ -192,6 +192,18 @@ class OutputOffload:
         if self.last_layers_without < 0 or self.min_bytes < 0:
             raise ValueError(f"OutputOffload: figures must be >= 0, got {self}")
 
+    @classmethod
+    def for_engine(cls, bytes_per_second: float, keep_last: int, prefetch_depth: int,
+                   max_inflight_d2h_groups: int, min_offload_bytes: int) -> "OutputOffload":
+        """What the engine's settings allow: beside a layer's backward, the layers
+        prefetched and the one recomputed (in forward, the groups whose copies are in
+        flight); while the head runs, the kept groups and those in flight are on the
+        device, so those layers offload none."""
+        return cls(bytes_per_second=bytes_per_second,
+                   layers_on_device=max(prefetch_depth + 1, max_inflight_d2h_groups),
+                   last_layers_without=keep_last + max_inflight_d2h_groups,
+                   min_bytes=min_offload_bytes)
+
 
 @dataclasses.dataclass(frozen=True)
 class LayerPlan:

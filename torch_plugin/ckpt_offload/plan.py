@@ -13,12 +13,14 @@ and dtype fill in the flags not given. Everything else is the C++ planner's
 `bazel run //offload_core:offload_plan`. Nothing is read from the network.
 
 With --memory_budget, a section follows: how many layers a step of that length runs without
-checkpointing, and how many keep op outputs for their recompute, under the budget
-(ckpt_offload.budget's policy, as memory_budget plans it at run time), its predicted peak
-and step time. Figures that stats() and the Trainer log report after a run (budget
-measured, per layer) make it exact; without them a layer's saved bytes are estimated from
-the shape, its recompute is the planner's forward time, and the outputs it could keep are
-its projections and attention, each worth its share of the layer's matrix-multiply FLOPs.
+checkpointing, how many keep op outputs for their recompute, and how many offload op
+outputs with their inputs (within the copy window the planner's D2H rate gives each
+layer's forward), under the budget (ckpt_offload.budget's policy, as memory_budget plans
+it at run time), its predicted peak and step time. Figures that stats() and the Trainer
+log report after a run (budget measured, per layer) make it exact; without them a layer's
+saved bytes are estimated from the shape, its recompute is the planner's forward time, and
+the outputs it could keep are its projections and attention, each worth its share of the
+layer's matrix-multiply FLOPs.
 
 Exit status: 0, 2 for a bad flag or config (the message names it), 1 when planning failed.
 """
@@ -208,9 +210,11 @@ def shape_outputs(plan: Dict, layer_s: float):
 
 def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
     """The memory-budget figures for the planner's JSON `plan` and the budget flags."""
-    from ckpt_offload.budget import (RESIDENT, SELECTIVE, KeptOutput, plan_layers,
-                                     uniform_measurement)
-    from ckpt_offload.config import parse_memory_budget
+    import dataclasses
+
+    from ckpt_offload.budget import (RESIDENT, SELECTIVE, KeptOutput, OutputOffload,
+                                     plan_layers, uniform_measurement)
+    from ckpt_offload.config import OffloadConfig, parse_memory_budget
 
     device_gib = _positive(flags, "device_gib")
     step_peak_gib = _positive(flags, "step_peak_gib")
@@ -254,7 +258,14 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
     measured = uniform_measurement(
         plan["layers"], tokens, layer_gib * GIB / tokens, layer_ms / 1e3 / tokens,
         peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0, outputs=outputs)
-    layer_plan = plan_layers(measured, tokens, budget)
+    # The layer's input is what the engine offloads of it (the planner's bytes per layer).
+    layer = dataclasses.replace(measured.layers[0],
+                                input_bytes_per_token=plan["bytes_per_layer"] / tokens)
+    measured = dataclasses.replace(measured, layers=(layer,) * plan["layers"])
+    offload = OutputOffload.for_engine(
+        plan["d2h_gbps"] * 1e9, plan["keep_last"], plan["prefetch_depth"],
+        plan["max_inflight_d2h_groups"], OffloadConfig().min_offload_bytes)
+    layer_plan = plan_layers(measured, tokens, budget, 0, offload)
     resident, selective = layer_plan.count(RESIDENT), layer_plan.count(SELECTIVE)
     return {
         "budget_bytes": budget, "layer_bytes": int(layer_gib * GIB),
@@ -263,6 +274,8 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
         "resident_layers": resident, "selective_layers": selective,
         "checkpointed_layers": len(layer_plan.modes) - resident - selective,
         "kept_output_bytes": layer_plan.kept_output_bytes,
+        "offloading_layers": layer_plan.offloading_layers,
+        "offloaded_output_bytes": layer_plan.offloaded_output_bytes,
         "predicted_peak_bytes": layer_plan.predicted_peak_bytes,
         "checkpointed_step_ms": step_ms,
         "predicted_step_ms": step_ms - layer_plan.predicted_seconds_saved * 1e3,
@@ -285,6 +298,9 @@ def budget_text(section: Dict, step_peak_gib: float) -> str:
         f"checkpointing, {section['selective_layers']} keeping "
         f"{section['kept_output_bytes'] / GIB:.2f} GiB of op outputs, "
         f"{section['checkpointed_layers']} checkpointed",
+        f"  offloaded outputs             {section['offloading_layers']} layers offload "
+        f"{section['offloaded_output_bytes'] / GIB:.2f} GiB of op outputs with their inputs "
+        f"(within each layer's copy window)",
         f"  predicted peak                {section['predicted_peak_bytes'] / GIB:.2f} GiB "
         f"(checkpointed step {step_peak_gib:.2f} GiB)",
         f"  predicted step                {section['predicted_step_ms']:.1f} ms "

@@ -663,14 +663,9 @@ class LayerBudget:
         if engine.backend is None or self.copy_bytes_per_second <= 0:
             return None
         config = engine.config
-        return OutputOffload(
-            bytes_per_second=self.copy_bytes_per_second,
-            # Beside a layer's backward: the layers prefetched and the one recomputed; in
-            # forward: the groups whose copies are in flight.
-            layers_on_device=max(config.prefetch_depth + 1, config.max_inflight_d2h_groups),
-            # On the device while the head runs: the kept groups and those still in flight.
-            last_layers_without=config.keep_last + config.max_inflight_d2h_groups,
-            min_bytes=config.min_offload_bytes)
+        return OutputOffload.for_engine(
+            self.copy_bytes_per_second, config.keep_last, config.prefetch_depth,
+            config.max_inflight_d2h_groups, config.min_offload_bytes)
 
     def _largest_block_per_token(self, activation_peak: float) -> float:
         """The LM head's float32 logits per token, bounded by the measured step's head
