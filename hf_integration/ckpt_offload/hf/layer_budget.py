@@ -62,7 +62,7 @@ import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 from torch.utils.checkpoint import (SAC_IGNORED_OPS, CheckpointPolicy,
                                     create_selective_checkpoint_contexts)
 
@@ -432,7 +432,6 @@ def _counted_key(counts: Dict[str, int], func) -> Optional[OpKey]:
 def _map_tensors(function: Callable, value, handles: bool = False):
     """`value` (an op's output, or what was saved of it) with `function` applied to each
     tensor (each saved handle): other leaves (sizes, None) as they are."""
-    from torch.utils._pytree import tree_map
     if handles:
         return tree_map(lambda x: x.value if isinstance(x, _Plain) else function(x), value)
     return tree_map(lambda x: function(x) if isinstance(x, torch.Tensor) else _Plain(x), value)
