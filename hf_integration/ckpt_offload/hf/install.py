@@ -762,7 +762,8 @@ class _OffloadingCheckpoint:
         if self.handle._defer_prefetch and tensors:
             # Outside the probe: a prefetch at the recompute's start belongs before the
             # boundary, as one issued when the layer's input is restored would be.
-            function = _PrefetchAfterMlp(self.handle.engine, layer, function)
+            function = _PrefetchAfterMlp(self.handle.engine, layer, function,
+                                         at_recompute=budget.offloads_outputs())
         with ckpt_offload.mark_checkpoint_inputs(*tensors):
             output = torch.utils.checkpoint.checkpoint(function, *args, **options)
         if profile is not None:
@@ -798,11 +799,16 @@ class _PrefetchAfterMlp:
     that call only, puts a gradient hook on the MLP's input: backward runs through the
     forward's graph (the recompute only refills its saved tensors), and that gradient is
     ready when the MLP's backward is done. A layer without an `mlp` module, or whose MLP
-    input needs no gradient, prefetches when its recompute begins instead."""
+    input needs no gradient, prefetches when its recompute begins instead; so does every layer
+    when `at_recompute` (a memory budget's step whose layers offload op outputs: each group
+    is larger than an input, and the attention's backward alone would not hide its copy;
+    the plan counts the prefetched layer beside the recomputed one)."""
 
-    def __init__(self, engine, layer: Optional[nn.Module], function: Callable):
+    def __init__(self, engine, layer: Optional[nn.Module], function: Callable,
+                 at_recompute: bool = False):
         self.engine = engine
-        self.mlp = getattr(layer, "mlp", None) if layer is not None else None
+        self.mlp = (getattr(layer, "mlp", None) if layer is not None and not at_recompute
+                    else None)
         self.function = function
         self.hooked = False  # a gradient hook prefetches: nothing to do at the recompute
 

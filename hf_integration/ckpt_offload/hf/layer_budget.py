@@ -532,6 +532,10 @@ class LayerBudget:
             return frozenset()
         return self.plan.offloaded(index)
 
+    def offloads_outputs(self) -> bool:
+        """Whether the running step's plan offloads op outputs in any layer."""
+        return self.plan is not None and self.plan.offloading_layers > 0
+
     def measuring(self) -> bool:
         return self._probes is not None
 
