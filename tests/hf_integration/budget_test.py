@@ -278,6 +278,35 @@ def test_a_budget_at_todays_memory_offloads_outputs_bit_identically():
     handle.disable()
 
 
+@pytest.mark.parametrize("offloading", [False, True])
+def test_a_step_that_offloads_outputs_prefetches_as_each_recompute_begins(offloading):
+    """Without offloaded outputs a layer's backward prefetches the layer below once its MLP's
+    backward is done (its peak); with them (larger groups) as its recompute begins."""
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    offloaded = frozenset({("aten.mm.default", 0)}) if offloading else frozenset()
+    handle._budget._plans[(64, False)] = LayerPlan(
+        tokens=64, budget_bytes=1 << 40, modes=(CHECKPOINT,) * LAYERS, predicted_peak_bytes=0,
+        predicted_seconds_saved=0.0, checkpointed_peak_bytes=0,
+        offloaded_outputs=(offloaded,) * LAYERS)
+    events = []
+    prefetch = handle.engine.prefetch_ahead
+    handle.engine.prefetch_ahead = lambda: (events.append("prefetch"), prefetch())[1]
+    def note_mlp_backward(module, inputs, output):  # the MLP's input gradient is ready
+        if inputs[0].requires_grad:
+            inputs[0].register_hook(lambda grad: events.append("mlp backward"))
+
+    for layer in model.model.layers:
+        layer.mlp.register_forward_hook(note_mlp_backward)
+    model.train()
+    for ids in batches([32] * 3):
+        events.clear()
+        model(input_ids=ids, labels=ids).loss.backward()
+    first = ["mlp backward", "prefetch"] if not offloading else ["prefetch", "mlp backward"]
+    assert events == first * LAYERS
+    handle.disable()
+
+
 def test_a_dropped_step_frees_its_offloaded_outputs():
     """A forward whose loss is dropped (no backward): what its layers offloaded goes back to
     the pool by the next step."""
