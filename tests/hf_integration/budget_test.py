@@ -66,6 +66,30 @@ def run(model, ids_list, handle=None, seed=11):
     return losses, grads
 
 
+def metered_run(model, handle, ids_list, metered, seed=11):
+    """run() of `model` under `handle`, each step's stats() read after its forward, and the
+    peak of what the steps `metered(step)` selects allocated (LiveTensorMeter, None for the
+    others): ((losses, grads), [(stats, peak) per step])."""
+    model.train()
+    torch.manual_seed(seed)
+    losses, grads, steps = [], [], []
+    for step, ids in enumerate(ids_list, start=1):
+        model.zero_grad(set_to_none=True)
+        meter = LiveTensorMeter().start() if metered(step) else None
+        try:
+            loss = model(input_ids=ids, labels=ids).loss
+            stats = handle.stats()
+            loss.backward()
+        finally:
+            if meter is not None:
+                meter.stop()
+                assert meter.remove()
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        steps.append((stats, meter.peak() if meter is not None else None))
+    return (losses, grads), steps
+
+
 def checkpointed(model):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -253,28 +277,14 @@ def test_a_budget_at_todays_memory_offloads_outputs_bit_identically():
     expected = run(checkpointed(make_model()), batches(lengths))
     model = checkpointed(make_model())
     handle = enable_activation_offload(model, memory_budget=budget, **HOST)
-    model.train()
-    torch.manual_seed(11)
-    losses, grads = [], []
-    for step, ids in enumerate(batches(lengths), start=1):
-        model.zero_grad(set_to_none=True)
-        meter = LiveTensorMeter().start() if step > MEASURED_STEP else None
-        try:
-            loss = model(input_ids=ids, labels=ids).loss
-            stats = handle.stats()
-            loss.backward()
-        finally:
-            if meter is not None:
-                meter.stop()
-                assert meter.remove()
-        losses.append(loss.detach().clone())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        if meter is not None:
-            assert stats["budget_offloading_layers"] == LAYERS - 3
-            assert stats["budget_offloaded_output_bytes"] > 0
-            assert stats["budget_resident_layers"] == 0
-            assert meter.peak() <= stats["budget_predicted_peak_bytes"], step
-    assert_identical(expected, (losses, grads))
+    actual, steps = metered_run(model, handle, batches(lengths),
+                                lambda step: step > MEASURED_STEP)
+    for step, (stats, peak) in enumerate(steps[MEASURED_STEP:], start=MEASURED_STEP + 1):
+        assert stats["budget_offloading_layers"] == LAYERS - 3
+        assert stats["budget_offloaded_output_bytes"] > 0
+        assert stats["budget_resident_layers"] == 0
+        assert peak <= stats["budget_predicted_peak_bytes"], step
+    assert_identical(expected, actual)
     handle.disable()
 
 
@@ -516,32 +526,21 @@ def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one(
 
     model = checkpointed(llama())
     handle = enable_activation_offload(model, memory_budget=budget, **HOST)
-    model.train()
-    torch.manual_seed(11)
-    losses, grads, resident = [], [], {}
-    for step, ids in enumerate(batches(lengths), start=1):
-        model.zero_grad(set_to_none=True)
-        planned = step > 1 and step not in measuring_steps
-        meter = LiveTensorMeter().start() if planned else None
-        try:
-            loss = model(input_ids=ids, labels=ids).loss
-            stats = handle.stats()
-            loss.backward()
-        finally:
-            if meter is not None:
-                meter.stop()
-                assert meter.remove()
-        losses.append(loss.detach().clone())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    ids_list = batches(lengths)
+    actual, steps = metered_run(model, handle, ids_list,
+                                lambda step: step > 1 and step not in measuring_steps)
+    resident = {}
+    for step, ((stats, peak), ids) in enumerate(zip(steps, ids_list), start=1):
+        planned = peak is not None
         assert stats["budget_measuring"] == int(step in measuring_steps), step
         if planned:
             changed = lengths[step - 1] != lengths[step - 2]
             assert stats["budget_tokens"] == ids.numel()
             assert (stats["budget_reserve_bytes"] > 0) == changed, step
             assert stats["budget_predicted_peak_bytes"] + stats["budget_reserve_bytes"] <= budget
-            assert meter.peak() <= stats["budget_predicted_peak_bytes"], step
+            assert peak <= stats["budget_predicted_peak_bytes"], step
             resident[(ids.shape[1], changed)] = stats["budget_resident_layers"]
-    assert_identical(expected, (losses, grads))
+    assert_identical(expected, actual)
     assert sorted(handle._budget.measurements) == [64, 128, 192, 256]
     assert resident[(32, False)] == 4
     assert resident[(32, True)] < resident[(32, False)]

@@ -408,7 +408,7 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
     base = checkpointed_peak(measured, tokens)
     count = len(measured.layers)
     offloaded, offloaded_seconds, transit = _offloaded_plan(
-        measured, tokens, budget_bytes - reserve_bytes, offload)
+        measured, tokens, base, budget_bytes - reserve_bytes, offload)
     layers = [_without(layer, offloaded[i], offloaded_seconds[i])
               for i, layer in enumerate(measured.layers)]
     steps = [layer_steps(layer) for layer in layers]
@@ -459,16 +459,15 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                      offloaded_output_bytes=int(round(offloaded_bytes)))
 
 
-def _offloaded_plan(measured: StepMeasurement, tokens: int, room: int,
+def _offloaded_plan(measured: StepMeasurement, tokens: int, base: int, room: int,
                     offload: Optional[OutputOffload]):
     """Each layer's offloaded outputs and their seconds per token, and the bytes their
-    transit adds to the checkpointed step's peak (see "Offloaded outputs"), for the widest
+    transit adds to `base`, the checkpointed step's peak (see "Offloaded outputs"), for the widest
     windows (a half, a quarter, ... of each) whose transit fits `room`."""
     count = len(measured.layers)
     none = [frozenset()] * count, [0.0] * count, 0
     if offload is None or offload.bytes_per_second <= 0:
         return none
-    base = checkpointed_peak(measured, tokens)
     layer_base = layer_phase_peak(measured, tokens)
     share = COPY_WINDOW_SHARE
     for _ in range(WINDOW_HALVINGS + 1):

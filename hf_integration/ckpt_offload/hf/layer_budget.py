@@ -279,9 +279,7 @@ class _OutputMeter(TorchDispatchMode):
     def _before(self, func, args, kwargs):
         """Names the op; marks the candidates it writes to in place. Returns (key, the
         storages of its inputs)."""
-        name = _op_name(func)
-        key = (name, self.counts[name])
-        self.counts[name] += 1
+        key = _counted_key(self.counts, func)
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and _has_storage(t)}
         for written in _written_tensors(func, args, kwargs):
@@ -420,7 +418,9 @@ class _OutputReplay(TorchDispatchMode):
 
 
 def _counted_key(counts: Dict[str, int], func) -> Optional[OpKey]:
-    """The op's key as the meter gives it (None for the ops the meter does not count)."""
+    """The op's key (its name and ordinal among that op's calls, counted in `counts`), or
+    None for the ops that are never candidates and not counted: SAC's ignored ops and
+    higher-order ops."""
     if func in SAC_IGNORED_OPS or isinstance(func, torch._ops.HigherOrderOperator):
         return None
     name = _op_name(func)
