@@ -22,8 +22,8 @@ from ckpt_offload.hf import layer_budget
 from ckpt_offload.hf.compile import LAYER_CALL_IS_CHECKPOINTED
 from ckpt_offload.hf.layer_budget import MEASURED_STEP
 from ckpt_offload.hf.peak import LiveTensorMeter
-from tiny import (FAMILIES, HOST, VOCAB, assert_same_weights, budget_for, tiny_family,
-                  tiny_llama, tiny_lora, train)
+from tiny import (FAMILIES, HOST, VOCAB, assert_same_weights, budget_for,
+                  keep_outputs_on_device, tiny_family, tiny_llama, tiny_lora, train)
 
 LAYERS = 6
 STEPS = 5
@@ -130,7 +130,8 @@ class OpCounter(TorchDispatchMode):
 
 @pytest.mark.parametrize("resident, selective", [(0, 0), (0, 3), (2, 0), (LAYERS, 0)])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
-def test_every_plan_is_bit_identical_to_checkpointing(resident, selective, dropout):
+def test_every_plan_is_bit_identical_to_checkpointing(resident, selective, dropout, monkeypatch):
+    keep_outputs_on_device(monkeypatch)
     lengths = [32] * STEPS
     measured = measurement_of(lambda: llama(dropout), lengths)
     tokens = 2 * 32
@@ -341,11 +342,12 @@ def test_a_dropped_step_frees_its_offloaded_outputs():
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_plans_are_bit_identical_in_every_model_family(family):
+def test_plans_are_bit_identical_in_every_model_family(family, monkeypatch):
     """Each family's layers are measured with kept-output candidates, and a plan with
     selective layers and one with resident layers train bit-identically to full
     checkpointing (attention dropout on: the RNG replays around kept ops and is drawn once
     by resident layers)."""
+    keep_outputs_on_device(monkeypatch)
     layers = 4
     make_model = functools.partial(tiny_family, family, layers=layers, dropout=0.2)
     lengths = [32] * STEPS
@@ -494,7 +496,8 @@ def test_steps_before_the_plan_checkpoint_every_layer():
     handle.disable()
 
 
-def test_lora_plans_are_bit_identical():
+def test_lora_plans_are_bit_identical(monkeypatch):
+    keep_outputs_on_device(monkeypatch)
     def make_model():
         return tiny_lora(tiny_llama(layers=4))
 
@@ -512,12 +515,13 @@ def test_lora_plans_are_bit_identical():
     handle.disable()
 
 
-def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one():
+def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one(monkeypatch):
     """Lengths vary (as with packing): a step longer than every one measured so far is
     measured (every layer checkpointed); any other is planned from the shortest measured
     step at least as long, with room kept for its largest block when its length differs
     from the previous step's. The predicted peak never exceeds the budget, and bounds the
     planned step's measured peak."""
+    keep_outputs_on_device(monkeypatch)
     lengths = [32, 32, 32, 64, 64, 96, 32, 96, 128, 64, 48]
     measuring_steps = {2, 4, 6, 9}
     measured = measurement_of(llama, [32] * 3)

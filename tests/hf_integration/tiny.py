@@ -147,6 +147,16 @@ def assert_same_weights(model_a, model_b):
         assert torch.equal(a[name], b[name]), name
 
 
+def keep_outputs_on_device(monkeypatch) -> None:
+    """Handles made after this plan without offloaded outputs, as budget_for's plans are.
+    Whether a plan offloads turns on the measured peaks of the layers' backward, which the
+    CPU meter reads as Python frees tensors (garbage collection moves them between runs of a
+    whole test file), so a test that expects budget_for's plan asks for this."""
+    import ckpt_offload.budget
+
+    monkeypatch.setattr(ckpt_offload.budget, "HOST_COPY_BYTES_PER_SECOND", 0)
+
+
 def budget_for(measured, tokens, resident, selective=0):
     """memory_budget: the smallest budget that the step fits with every layer checkpointed
     and whose plan at `tokens` runs at least `resident` layers resident and `selective`

@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerFast, TrainerCallback
 import trl
 from ckpt_offload.hf import ActivationOffloadCallback, layer_budget
 from ckpt_offload.hf.install import installations
-from tiny import HOST, budget_for, tiny_llama, tiny_lora
+from tiny import HOST, budget_for, keep_outputs_on_device, tiny_llama, tiny_lora
 
 STEPS = 3
 
@@ -232,6 +232,7 @@ def test_trl_trainer_with_a_memory_budget_stays_bit_identical(case, tmp_path, mo
     assert plans == [["resident"] * layers] * (steps - 2)
     runs = [(losses, recorder)]
 
+    keep_outputs_on_device(monkeypatch)
     budget = budget_for(measured, measured.tokens, resident=0, selective=2)
     _, losses, recorder, _ = train(case, tmp_path / "some", offload=True, steps=steps,
                                    memory_budget=budget)
