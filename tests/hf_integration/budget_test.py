@@ -15,8 +15,9 @@ from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from ckpt_offload.budget import (CHECKPOINT, RESIDENT, SELECTIVE, LayerPlan, checkpointed_peak,
-                                 plan_layers)
+from ckpt_offload import budget as budget_policy
+from ckpt_offload.budget import (CHECKPOINT, HOST_POOL_MARGIN, RESIDENT, SELECTIVE, LayerPlan,
+                                 checkpointed_peak, plan_layers)
 from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
 from ckpt_offload.hf import layer_budget
 from ckpt_offload.hf.compile import LAYER_CALL_IS_CHECKPOINTED
@@ -294,6 +295,47 @@ def test_a_budget_at_todays_memory_offloads_outputs_bit_identically():
         assert stats["budget_resident_layers"] == 0
         assert peak <= stats["budget_predicted_peak_bytes"], step
     assert_identical(expected, actual)
+    handle.disable()
+
+
+@pytest.mark.parametrize("held_to_the_limit", [True, False])
+def test_offloaded_outputs_are_held_to_the_host_memory_limit(monkeypatch, held_to_the_limit):
+    """A host_memory_limit that holds the layers' inputs and half of what the copy windows
+    would offload: the plan offloads within it, so the pool never refuses a block (one it
+    refused would stay on the device, unplanned). Unheld, the pool refuses."""
+    lengths = [32] * STEPS
+    make_model = functools.partial(llama, vocab=4096)
+    measured = measurement_of(make_model, lengths)
+    budget = checkpointed_peak(measured, 64)
+    expected = run(checkpointed(make_model()), batches(lengths))
+    model = checkpointed(make_model())
+    handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    windows = plan_layers(measured, 64, budget, 0, handle._budget._output_offload())
+    # The checkpointed step's pool holds the layers' inputs and the head's offloads.
+    inputs = sum(layer.input_bytes_per_token for layer in measured.layers) * 64
+    assert measured.host_peak_bytes > inputs
+    assert windows.offloaded_output_bytes > 0 and windows.host_limited_bytes == 0
+    limit = int((measured.host_peak_bytes + windows.offloaded_output_bytes / 2)
+                * (1 + HOST_POOL_MARGIN))
+    handle.disable()
+    if not held_to_the_limit:
+        monkeypatch.setattr(budget_policy, "_within_host",
+                            lambda measured, tokens, chosen, offload: (chosen, 0.0))
+    handle = enable_activation_offload(model, memory_budget=budget, host_memory_limit=limit,
+                                       **HOST)
+    actual, steps = metered_run(model, handle, batches(lengths), lambda step: False)
+    assert_identical(expected, actual)
+    stats = handle.stats()
+    plan = steps[-1][0]
+    if held_to_the_limit:
+        assert 0 < plan["budget_offloaded_output_bytes"] <= windows.offloaded_output_bytes / 2
+        assert plan["budget_host_limited_bytes"] >= windows.offloaded_output_bytes / 2
+        assert stats["cap_fallbacks"] == 0
+        assert stats["host_peak_bytes"] <= limit / (1 + HOST_POOL_MARGIN)
+    else:
+        assert plan["budget_offloaded_output_bytes"] == windows.offloaded_output_bytes
+        assert stats["cap_fallbacks"] > 0
+    assert stats["host_live_bytes"] == 0
     handle.disable()
 
 

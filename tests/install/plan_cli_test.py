@@ -311,6 +311,24 @@ def test_at_the_checkpointed_peak_layers_offload_outputs_that_fit_their_copy_win
     assert "29 layers offload 8.70 GiB of op outputs" in text
 
 
+def test_offloaded_outputs_stay_within_the_host_memory_limit():
+    """The layers' inputs (32 x 64 MiB) and offloaded outputs share the host pool, whose
+    limit bounds what it reserves (1.15 x its live bytes): 8 GiB holds 16 layers' sets."""
+    args = ("--memory_budget=28.5GiB", "--kept_gib=0.3", "--kept_ms=6",
+            "--max_inflight_d2h_groups=2", "--keep_last=1")
+    roomy = budget_figures(*args, "--host_memory_limit=16GiB")
+    assert roomy["offloading_layers"] == 29 and roomy["host_limited_bytes"] == 0
+    limited = budget_figures(*args, "--host_memory_limit=8GiB")
+    assert limited["offloading_layers"] == 16
+    assert (2 + limited["offloaded_output_bytes"] / 2**30) * 1.15 <= 8
+    assert limited["host_limited_bytes"] == pytest.approx(13 * 0.3 * 2**30, rel=1e-6)
+    assert limited["predicted_step_ms"] == pytest.approx(1351.5 - 16 * 6)
+    text = run("--preset=llama-8b", "--seq=8192", "--step_peak_gib=27.5", "--layer_gib=2.25",
+               "--layer_ms=12.1", "--step_ms=1351.5", *args, "--host_memory_limit=8GiB").stdout
+    assert "16 layers offload 4.80 GiB" in text
+    assert "3.90 GiB more fit the windows but not the host limit" in text
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--memory_budget=80GiB"], "--step_peak_gib"),
     (["--memory_budget=auto", "--step_peak_gib=27"], "--device_gib"),

@@ -325,11 +325,50 @@ def test_offloading_never_buys_less_and_resident_layers_offload_nothing():
     assert full.count(RESIDENT) == 32 and full.offloaded_output_bytes == 0
 
 
+@pytest.mark.parametrize("host_share", [0, 0.3, 0.7, 0.95, 2])
+def test_offloaded_outputs_stay_within_the_host_limit(host_share):
+    """Inputs and offloaded outputs are in the host pool together at the end of the forward:
+    what the copy windows chose is held to host_memory_limit less the pool's margin, the
+    outputs worth most seconds per byte first; what is left out is reported."""
+    measured = llama_8b_offloading()
+    base = checkpointed_peak(measured, TOKENS)
+    windows = plan_layers(measured, TOKENS, base, 0, ENGINE_DEFAULTS)
+    inputs = 32 * 64 * MIB
+    limit = int((inputs + host_share * windows.offloaded_output_bytes)
+                * (1 + budget_module.HOST_POOL_MARGIN))
+    offload = OutputOffload.for_engine(55e9, keep_last=1, prefetch_depth=1,
+                                       max_inflight_d2h_groups=2, min_offload_bytes=1 << 20,
+                                       host_memory_limit=limit)
+    assert dataclasses.replace(offload, host_bytes=ENGINE_DEFAULTS.host_bytes) == ENGINE_DEFAULTS
+    plan = plan_layers(measured, TOKENS, base, 0, offload)
+    room = limit / (1 + budget_module.HOST_POOL_MARGIN) - inputs
+    assert plan.offloaded_output_bytes <= max(0.0, room)
+    assert plan.predicted_peak_bytes <= base
+    assert plan.offloaded_output_bytes + plan.host_limited_bytes == pytest.approx(
+        windows.offloaded_output_bytes, abs=64)
+    if host_share >= 1:
+        assert plan == windows
+        return
+    assert plan.host_limited_bytes > 0 and "host_memory_limit" in plan.describe()
+    assert plan.predicted_seconds_saved < windows.predicted_seconds_saved
+    # Never an output the windows did not choose; every one left out does not fit the rest.
+    left = room - plan.offloaded_output_bytes
+    by_key = {o.key: o for o in measured.layers[0].outputs}
+    for chosen, held in zip(windows.offloaded_outputs, plan.offloaded_outputs):
+        assert held <= chosen
+        for key in chosen - held:
+            assert by_key[key].bytes_per_token * TOKENS > left
+    if host_share == 0:
+        assert plan.offloading_layers == 0 and plan.predicted_seconds_saved == 0
+
+
 def test_bad_offload_figures_are_refused():
     with pytest.raises(ValueError, match="OutputOffload"):
         dataclasses.replace(ENGINE_DEFAULTS, bytes_per_second=-1.0)
     with pytest.raises(ValueError, match="OutputOffload"):
         dataclasses.replace(ENGINE_DEFAULTS, last_layers_without=-1)
+    with pytest.raises(ValueError, match="OutputOffload"):
+        dataclasses.replace(ENGINE_DEFAULTS, host_bytes=-1.0)
     with pytest.raises(ValueError, match="LayerCost"):
         LayerCost(1.0, 1.0, (), -1.0)
 

@@ -53,6 +53,11 @@ the copies in flight), counted above the measured peak of the layers' backward (
 head's), the largest layer's outputs each. The last layers offload none: their groups stay
 on the device (keep_last), or are still in flight, while the head runs. When the layers in
 transit do not fit the budget, every window shrinks by half until they fit or none is left.
+Host memory bounds them too: every layer's input and offloaded outputs are in the host pool
+at the end of the forward, beside what the head offloads, and a block the pool refuses
+(host_memory_limit) stays on the device, where the plan did not count it. So what the
+windows chose is held to the limit, less the pool's growth margin and the pool's measured
+peak, and the outputs worth most seconds per byte, across layers, are the ones offloaded.
 The budget is then spent from there: a layer's other candidates, then the whole layer
 resident (a resident layer offloads nothing: its saved tensors stay).
 
@@ -108,6 +113,10 @@ COPY_WINDOW_SHARE = 0.8
 # How often the windows may halve before no output is offloaded (1/256 of a window is
 # nothing worth copying).
 WINDOW_HALVINGS = 8
+# The host pool reserves up to this share above its live bytes (offload_core/host_arena.h's
+# growth bound), and its limit is on what it reserves: a step's offloads are planned within
+# host_memory_limit / (1 + HOST_POOL_MARGIN).
+HOST_POOL_MARGIN = 0.15
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,11 +175,15 @@ class StepMeasurement:
     # The device memory allocated at the peak of the layers' backward (recomputes included;
     # the head's not), weights and all; 0: unknown (the step's peak stands for it).
     layer_phase_peak_bytes: int = 0
+    # The host pool's peak of live bytes (the layers' inputs and what the head offloads);
+    # 0: unknown (the layers' inputs stand for it).
+    host_peak_bytes: int = 0
 
     def __post_init__(self):
         if self.tokens <= 0:
             raise ValueError(f"StepMeasurement.tokens: must be > 0, got {self.tokens}")
-        if self.peak_bytes < 0 or self.activation_peak_bytes < 0 or self.layer_phase_peak_bytes < 0:
+        if min(self.peak_bytes, self.activation_peak_bytes, self.layer_phase_peak_bytes,
+               self.host_peak_bytes) < 0:
             raise ValueError("StepMeasurement: peak figures must be >= 0")
 
 
@@ -179,30 +192,36 @@ class OutputOffload:
     """What offloading op outputs may use (see "Offloaded outputs"): the copy rate to the
     host; how many layers' offloaded outputs may be on the device at once beside a layer's
     backward; how many last layers offload none; the bytes below which an output is not
-    offloaded (the engine keeps it on the device: min_offload_bytes)."""
+    offloaded (the engine keeps it on the device: min_offload_bytes); the host bytes a
+    step's inputs and offloaded outputs may hold together (inf: no limit)."""
 
     bytes_per_second: float
     layers_on_device: int
     last_layers_without: int
     min_bytes: int = 0
+    host_bytes: float = math.inf
 
     def __post_init__(self):
         if not self.bytes_per_second >= 0 or self.layers_on_device < 0:
             raise ValueError(f"OutputOffload: figures must be >= 0, got {self}")
-        if self.last_layers_without < 0 or self.min_bytes < 0:
+        if self.last_layers_without < 0 or self.min_bytes < 0 or not self.host_bytes >= 0:
             raise ValueError(f"OutputOffload: figures must be >= 0, got {self}")
 
     @classmethod
     def for_engine(cls, bytes_per_second: float, keep_last: int, prefetch_depth: int,
-                   max_inflight_d2h_groups: int, min_offload_bytes: int) -> "OutputOffload":
+                   max_inflight_d2h_groups: int, min_offload_bytes: int,
+                   host_memory_limit: Optional[int] = None) -> "OutputOffload":
         """What the engine's settings allow: beside a layer's backward, the layers
         prefetched and the one recomputed (in forward, the groups whose copies are in
         flight); while the head runs, the kept groups and those in flight are on the
-        device, so those layers offload none."""
+        device, so those layers offload none; the host pool's limit (None: none) less its
+        growth margin."""
+        host = (math.inf if host_memory_limit is None
+                else host_memory_limit / (1.0 + HOST_POOL_MARGIN))
         return cls(bytes_per_second=bytes_per_second,
                    layers_on_device=max(prefetch_depth + 1, max_inflight_d2h_groups),
                    last_layers_without=keep_last + max_inflight_d2h_groups,
-                   min_bytes=min_offload_bytes)
+                   min_bytes=min_offload_bytes, host_bytes=host)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -227,6 +246,9 @@ class LayerPlan:
     # bytes, all layers together.
     offloaded_outputs: Tuple[FrozenSet[OpKey], ...] = ()
     offloaded_output_bytes: int = 0
+    # The bytes of outputs the copy windows could take but the host limit could not hold
+    # (they are recomputed).
+    host_limited_bytes: int = 0
 
     def count(self, mode: str) -> int:
         return sum(m == mode for m in self.modes)
@@ -257,6 +279,9 @@ class LayerPlan:
         if offloading:
             kept += (f", {offloading} offloading {self.offloaded_output_bytes / gib:.2f} GiB of "
                      f"op outputs")
+        if self.host_limited_bytes:
+            kept += (f" ({self.host_limited_bytes / gib:.2f} GiB more would fit the copy windows "
+                     f"but not host_memory_limit)")
         text = (f"{self.count(RESIDENT)} of {len(self.modes)} layers without checkpointing"
                 f"{kept}, {self.count(CHECKPOINT)} checkpointed; predicted peak "
                 f"{self.predicted_peak_bytes / gib:.2f} GiB of a {self.budget_bytes / gib:.2f} "
@@ -364,8 +389,40 @@ def offloaded_candidates(layer: LayerCost, tokens: int, offload: OutputOffload,
 def _ranked(outputs) -> List[KeptOutput]:
     """Outputs that save time, most seconds per byte first."""
     return sorted((o for o in outputs if o.seconds_per_token > 0),
-                  key=lambda o: (-(o.seconds_per_token / o.bytes_per_token
-                                   if o.bytes_per_token > 0 else math.inf), o.key))
+                  key=lambda o: (-_seconds_per_byte(o), o.key))
+
+
+def _seconds_per_byte(output: KeptOutput) -> float:
+    if output.bytes_per_token <= 0:
+        return math.inf
+    return output.seconds_per_token / output.bytes_per_token
+
+
+def _within_host(measured: StepMeasurement, tokens: int, chosen: list,
+                 offload: OutputOffload) -> Tuple[list, float]:
+    """`chosen` (per layer: the offloaded keys and their bytes and seconds per token) held
+    to the host bytes left beside what the checkpointed step holds there (the measured
+    pool's peak, grown or shrunk with tokens: its inputs and the head's offloads are per
+    token): the outputs worth most seconds per byte first, across layers (the last layers
+    first among equals). Returns it and the bytes per token it left out."""
+    total = sum(bytes_per_token for _, bytes_per_token, _ in chosen)
+    held = (measured.host_peak_bytes / measured.tokens if measured.host_peak_bytes
+            else sum(layer.input_bytes_per_token for layer in measured.layers))
+    room = offload.host_bytes - held * tokens
+    if total * tokens <= room:
+        return chosen, 0.0
+    ranked = sorted(((output, index) for index, (keys, _, _) in enumerate(chosen)
+                     for output in measured.layers[index].outputs if output.key in keys),
+                    key=lambda item: (-_seconds_per_byte(item[0]), -item[1], item[0].key))
+    taken: List[List[KeptOutput]] = [[] for _ in chosen]
+    used = 0.0
+    for output, index in ranked:
+        if used + output.bytes_per_token * tokens <= room:
+            taken[index].append(output)
+            used += output.bytes_per_token * tokens
+    within = [(frozenset(o.key for o in outputs), sum(o.bytes_per_token for o in outputs),
+               sum(o.seconds_per_token for o in outputs)) for outputs in taken]
+    return within, total - used / tokens
 
 
 def _without(layer: LayerCost, keys: FrozenSet[OpKey], seconds: float) -> LayerCost:
@@ -400,6 +457,8 @@ def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int,
         offloading = _plan_with(measured, tokens, budget_bytes, reserve_bytes, offload)
         if offloading.predicted_seconds_saved > plan.predicted_seconds_saved:
             plan = offloading
+        elif offloading.host_limited_bytes:  # the limit is why nothing is offloaded
+            plan = dataclasses.replace(plan, host_limited_bytes=offloading.host_limited_bytes)
     return plan
 
 
@@ -407,7 +466,7 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                offload: Optional[OutputOffload]) -> LayerPlan:
     base = checkpointed_peak(measured, tokens)
     count = len(measured.layers)
-    offloaded, offloaded_seconds, transit = _offloaded_plan(
+    offloaded, offloaded_seconds, transit, host_limited = _offloaded_plan(
         measured, tokens, base, budget_bytes - reserve_bytes, offload)
     layers = [_without(layer, offloaded[i], offloaded_seconds[i])
               for i, layer in enumerate(measured.layers)]
@@ -456,16 +515,18 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                      checkpointed_peak_bytes=base, reserve_bytes=int(reserve_bytes),
                      kept_outputs=kept_outputs, kept_output_bytes=int(round(kept_bytes)),
                      offloaded_outputs=offloaded_outputs,
-                     offloaded_output_bytes=int(round(offloaded_bytes)))
+                     offloaded_output_bytes=int(round(offloaded_bytes)),
+                     host_limited_bytes=host_limited)
 
 
 def _offloaded_plan(measured: StepMeasurement, tokens: int, base: int, room: int,
                     offload: Optional[OutputOffload]):
-    """Each layer's offloaded outputs and their seconds per token, and the bytes their
-    transit adds to `base`, the checkpointed step's peak (see "Offloaded outputs"), for the widest
-    windows (a half, a quarter, ... of each) whose transit fits `room`."""
+    """Each layer's offloaded outputs and their seconds per token, the bytes their transit
+    adds to `base`, the checkpointed step's peak (see "Offloaded outputs"), for the widest
+    windows (a half, a quarter, ... of each) whose transit fits `room`, and the bytes the
+    host limit left out of those windows."""
     count = len(measured.layers)
-    none = [frozenset()] * count, [0.0] * count, 0
+    none = [frozenset()] * count, [0.0] * count, 0, 0
     if offload is None or offload.bytes_per_second <= 0:
         return none
     layer_base = layer_phase_peak(measured, tokens)
@@ -475,14 +536,15 @@ def _offloaded_plan(measured: StepMeasurement, tokens: int, base: int, room: int
                   if index < count - offload.last_layers_without
                   else (frozenset(), 0.0, 0.0)
                   for index, layer in enumerate(measured.layers)]
+        chosen, host_limited = _within_host(measured, tokens, chosen, offload)
         largest = max(bytes_per_token for _, bytes_per_token, _ in chosen) * tokens
         if largest <= 0:
-            return none
+            return none[:3] + (int(round(host_limited * tokens)),)
         in_transit = offload.layers_on_device * largest * (1.0 + FRAGMENTATION_MARGIN)
         transit = max(0.0, layer_base + in_transit - base)
         if base + transit <= room:
             return ([keys for keys, _, _ in chosen], [seconds for _, _, seconds in chosen],
-                    int(math.ceil(transit)))
+                    int(math.ceil(transit)), int(round(host_limited * tokens)))
         share /= 2
     return none
 
@@ -501,6 +563,7 @@ def plan_summary(plan: LayerPlan) -> Dict[str, float]:
         "budget_reserve_bytes": plan.reserve_bytes,
         "budget_offloading_layers": plan.offloading_layers,
         "budget_offloaded_output_bytes": plan.offloaded_output_bytes,
+        "budget_host_limited_bytes": plan.host_limited_bytes,
     }
 
 

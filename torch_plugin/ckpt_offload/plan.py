@@ -264,7 +264,8 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
     measured = dataclasses.replace(measured, layers=(layer,) * plan["layers"])
     offload = OutputOffload.for_engine(
         plan["d2h_gbps"] * 1e9, plan["keep_last"], plan["prefetch_depth"],
-        plan["max_inflight_d2h_groups"], OffloadConfig().min_offload_bytes)
+        plan["max_inflight_d2h_groups"], OffloadConfig().min_offload_bytes,
+        plan["host_limit_per_gpu"] or None)
     layer_plan = plan_layers(measured, tokens, budget, 0, offload)
     resident, selective = layer_plan.count(RESIDENT), layer_plan.count(SELECTIVE)
     return {
@@ -276,6 +277,7 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
         "kept_output_bytes": layer_plan.kept_output_bytes,
         "offloading_layers": layer_plan.offloading_layers,
         "offloaded_output_bytes": layer_plan.offloaded_output_bytes,
+        "host_limited_bytes": layer_plan.host_limited_bytes,
         "predicted_peak_bytes": layer_plan.predicted_peak_bytes,
         "checkpointed_step_ms": step_ms,
         "predicted_step_ms": step_ms - layer_plan.predicted_seconds_saved * 1e3,
@@ -287,6 +289,8 @@ def budget_text(section: Dict, step_peak_gib: float) -> str:
     layer = section["layer_bytes"] / GIB
     source = ("estimated from the shape" if section["layer_bytes_estimated"]
               else "given")
+    held_back = (f"; {section['host_limited_bytes'] / GIB:.2f} GiB more fit the windows but "
+                 f"not the host limit" if section["host_limited_bytes"] else "")
     lines = [
         "",
         f"memory budget {section['budget_bytes'] / GIB:.2f} GiB",
@@ -300,7 +304,7 @@ def budget_text(section: Dict, step_peak_gib: float) -> str:
         f"{section['checkpointed_layers']} checkpointed",
         f"  offloaded outputs             {section['offloading_layers']} layers offload "
         f"{section['offloaded_output_bytes'] / GIB:.2f} GiB of op outputs with their inputs "
-        f"(within each layer's copy window)",
+        f"(within each layer's copy window{held_back})",
         f"  predicted peak                {section['predicted_peak_bytes'] / GIB:.2f} GiB "
         f"(checkpointed step {step_peak_gib:.2f} GiB)",
         f"  predicted step                {section['predicted_step_ms']:.1f} ms "

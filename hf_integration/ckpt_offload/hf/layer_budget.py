@@ -84,7 +84,7 @@ STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers"
              "budget_checkpointed_layers", "budget_kept_output_bytes", "budget_tokens",
              "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
              "budget_reserve_bytes", "budget_offloading_layers", "budget_offloaded_output_bytes",
-             "budget_measured_peak_bytes", "budget_measuring")
+             "budget_host_limited_bytes", "budget_measured_peak_bytes", "budget_measuring")
 
 # The wall clock of measurements on CPU (tests replace it with a deterministic one).
 _clock = time.perf_counter
@@ -635,7 +635,9 @@ class LayerBudget:
             tokens=self._measured_tokens, layers=tuple(layers), peak_bytes=int(peak),
             activation_peak_bytes=int(activation_peak), step_seconds=step_seconds,
             largest_block_bytes_per_token=self._largest_block_per_token(activation_peak),
-            layer_phase_peak_bytes=self._layer_phase_peak())
+            layer_phase_peak_bytes=self._layer_phase_peak(),
+            # The step's figures, harvested as the next one began.
+            host_peak_bytes=int(self.handle._latest.get("host_peak_bytes", 0)))
         self.measurements[measured.tokens] = measured
         self._report_measurement(measured, probes)
 
@@ -668,7 +670,8 @@ class LayerBudget:
         config = engine.config
         return OutputOffload.for_engine(
             self.copy_bytes_per_second, config.keep_last, config.prefetch_depth,
-            config.max_inflight_d2h_groups, config.min_offload_bytes)
+            config.max_inflight_d2h_groups, config.min_offload_bytes,
+            config.host_memory_limit_bytes())
 
     def _largest_block_per_token(self, activation_peak: float) -> float:
         """The LM head's float32 logits per token, bounded by the measured step's head
