@@ -1,0 +1,38 @@
+#!/bin/bash
+# The memory-budget rows of benchmarks/results, on the device machine, in parts that each fit
+# one device call: bash benchmarks/budget_rows.sh PART (OUT: where logs go; CKPT_OFFLOAD_COMMIT:
+# the tree's commit, the device copy has no usable git metadata).
+#   caps   today's memory (--budget 28GiB), 40 and 80 GiB caps, s8k
+#   full   the whole card and 80 GiB at s16k; the GPU budget tests
+#   var    100 steps of random lengths in [4096, 32768] under "auto", 80 GiB
+set -u
+part=$1
+export PYTHONUNBUFFERED=1
+if ! python3 -c "import ckpt_offload._native" 2>/dev/null; then
+  CKPT_OFFLOAD_ABSL_PREFIX=$PWD/.gpu_deps/absl MAX_JOBS=16 \
+    python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip_$part.log" 2>&1
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
+bench=$PWD/benchmarks/budget_bench.py
+tests=$PWD/tests
+cd /tmp
+case $part in
+  caps)
+    timeout 150 python3 "$bench" --configs llama3-8b:8192:full \
+      --modes ckpt,ckpt_offload,budget,budget_keep --budget 28GiB --rounds 3 --empty-cache \
+      --out "$OUT/today" > "$OUT/today.log" 2>&1
+    timeout 300 python3 "$bench" --configs llama3-8b:8192:40,llama3-8b:8192:80 \
+      --modes ckpt,budget,budget_keep --rounds 3 --empty-cache \
+      --out "$OUT/caps" > "$OUT/caps.log" 2>&1 ;;
+  full)
+    timeout 150 python3 "$bench" --configs llama3-8b:8192:full --modes ckpt,budget,none \
+      --rounds 3 --empty-cache --out "$OUT/full" > "$OUT/full.log" 2>&1
+    timeout 240 python3 "$bench" --configs llama3-8b:16384:80 --modes ckpt,budget,budget_keep \
+      --rounds 2 --empty-cache --out "$OUT/s16k" > "$OUT/s16k.log" 2>&1
+    (cd "$tests" && timeout 100 python3 -m pytest -q -s -p no:cacheprovider \
+      gpu/budget_gpu_test.py) > "$OUT/pytest.log" 2>&1 ;;
+  var)
+    timeout 560 python3 "$bench" --var llama3-8b:4096:32768:100:80 \
+      --out "$OUT/var" > "$OUT/var.log" 2>&1 ;;
+esac
+echo "part $part done"
