@@ -5,6 +5,8 @@
 #   caps   today's memory (--budget 28GiB), 40 and 80 GiB caps, s8k
 #   full   the whole card and 80 GiB at s16k; the GPU budget tests
 #   var    100 steps of random lengths in [4096, 32768] under "auto", 80 GiB
+#   held   the budget as the cap (the allocator may reserve no more than the budget):
+#          28 and 38 GiB at s8k, 75 GiB at s16k
 set -u
 part=$1
 export PYTHONUNBUFFERED=1
@@ -34,5 +36,13 @@ case $part in
   var)
     timeout 560 python3 "$bench" --var llama3-8b:4096:32768:100:80 \
       --out "$OUT/var" > "$OUT/var.log" 2>&1 ;;
+  held)
+    for row in 8192:28:ckpt,ckpt_offload,budget 8192:38:ckpt,budget 16384:75:ckpt,budget; do
+      IFS=: read -r seq gib modes <<< "$row"
+      timeout 170 python3 "$bench" --configs "llama3-8b:$seq:$gib" --modes "$modes" \
+        --budget "${gib}GiB" --rounds 2 --empty-cache \
+        --out "$OUT/held_${seq}_$gib" > "$OUT/held_${seq}_$gib.log" 2>&1
+      rm -f "$OUT/held_${seq}_$gib/budget_bench.md"  # the log has its table (8 files come back)
+    done ;;
 esac
 echo "part $part done"
