@@ -605,6 +605,18 @@ def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one(
     handle.disable()
 
 
+def test_the_measured_steps_stranded_pieces_count_in_its_peak(monkeypatch):
+    """What the allocator's meter reads as stranded when the measured step's head begins
+    (free pieces no fresh logits block can use) is part of the checkpointed step's reserved
+    peak that every plan is built on."""
+    stranded = 3 << 20
+    monkeypatch.setattr(LiveTensorMeter, "stranded", lambda self: stranded)
+    measured = measurement_of(llama, [32] * 3)
+    assert measured.stranded_bytes == stranded
+    assert checkpointed_peak(measured, 64) == measured.peak_bytes + stranded
+    assert checkpointed_peak(measured, 128) > measured.peak_bytes + 2 * stranded
+
+
 def test_layers_the_model_does_not_checkpoint_stay_so(caplog):
     model = checkpointed(llama())
     layers = model.model.layers

@@ -33,8 +33,12 @@ need new segments. On the H200 (8B, s8k), a plan keeping 47.7 GiB at an 80 GiB c
 of memory with 7.1 GiB in such pieces, its allocations 5 GiB below the prediction; one
 keeping 10.7 GiB reserved 1.3 GiB above its allocated peak. On the H100 with the budget as
 the cap (38 GiB, 8B, s8k), a plan keeping 9.5 GiB stranded 1.63 GiB (17 %) and ran out of
-memory 0.17 GiB short for the logits, its allocations where predicted. So each kept byte is
-counted with FRAGMENTATION_MARGIN more, and the plan's predicted peak is of reserved memory.
+memory 0.17 GiB short for the logits, its allocations where predicted; rerun at 20 %, it
+kept 9.1 GiB and stranded 2.01 GiB. Part of that is the checkpointed step's own: ckpt_offload
+without a budget, at a 28 GiB cap, stranded 0.97 GiB when the logits were asked for. So each
+kept byte is counted with FRAGMENTATION_MARGIN more, the measured step's own free pieces as
+its head began (`stranded_bytes`) are added to its peak, and the plan's predicted peak is of
+reserved memory.
 
 Order. The resident layers are the last ones: backward frees them first, so every
 checkpointed layer's recompute runs without them, and they leave the allocator's segments
@@ -180,12 +184,15 @@ class StepMeasurement:
     # The host pool's peak of live bytes (the layers' inputs and what the head offloads);
     # 0: unknown (the layers' inputs stand for it).
     host_peak_bytes: int = 0
+    # Free pieces of the allocator's segments that also hold live tensors, as the head began
+    # (reserved memory a fresh large block, the float32 logits, cannot use); 0: unknown.
+    stranded_bytes: int = 0
 
     def __post_init__(self):
         if self.tokens <= 0:
             raise ValueError(f"StepMeasurement.tokens: must be > 0, got {self.tokens}")
         if min(self.peak_bytes, self.activation_peak_bytes, self.layer_phase_peak_bytes,
-               self.host_peak_bytes) < 0:
+               self.host_peak_bytes, self.stranded_bytes) < 0:
             raise ValueError("StepMeasurement: peak figures must be >= 0")
 
 
@@ -295,9 +302,12 @@ class LayerPlan:
 
 
 def checkpointed_peak(measured: StepMeasurement, tokens: int) -> int:
-    """The predicted reserved peak of a step of `tokens` with every layer checkpointed."""
-    growth = max(0.0, tokens / measured.tokens - 1.0) * measured.activation_peak_bytes
-    return int(measured.peak_bytes + growth)
+    """The predicted reserved peak of a step of `tokens` with every layer checkpointed: the
+    measured allocations, grown with tokens, and the free pieces stranded beside them (cut
+    from the layers' transients, which grow with tokens too)."""
+    scale = max(1.0, tokens / measured.tokens)
+    growth = (scale - 1.0) * measured.activation_peak_bytes
+    return int(measured.peak_bytes + growth + scale * measured.stranded_bytes)
 
 
 def layer_phase_peak(measured: StepMeasurement, tokens: int) -> int:

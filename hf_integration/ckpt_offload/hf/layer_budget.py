@@ -637,7 +637,8 @@ class LayerBudget:
             largest_block_bytes_per_token=self._largest_block_per_token(activation_peak),
             layer_phase_peak_bytes=self._layer_phase_peak(),
             # The step's figures, harvested as the next one began.
-            host_peak_bytes=int(self.handle._latest.get("host_peak_bytes", 0)))
+            host_peak_bytes=int(self.handle._latest.get("host_peak_bytes", 0)),
+            stranded_bytes=self._head_stranded())
         self.measurements[measured.tokens] = measured
         self._report_measurement(measured, probes)
 
@@ -660,6 +661,14 @@ class LayerBudget:
             return 0
         rise = breakdown.get("layer_phase_peak_bytes", 0)
         return int(self._allocated_at_start + rise) if rise else 0
+
+    def _head_stranded(self) -> int:
+        """The allocator's stranded free pieces as the measured step's head began (0: not
+        profiled, or no allocator)."""
+        breakdown = self.handle._peak.result
+        if breakdown is None or breakdown.get("micro_step") != self.handle._micro_steps:
+            return 0
+        return int(breakdown.get("head_stranded_bytes", 0))
 
     def _output_offload(self) -> Optional[OutputOffload]:
         """What offloading op outputs may use under this installation's engine settings
@@ -711,8 +720,10 @@ class LayerBudget:
         layer_bytes = max(c.saved_bytes_per_token for c in measured.layers) * measured.tokens
         layer_ms = max(c.recompute_seconds_per_token for c in measured.layers) * measured.tokens
         logger.info("ckpt_offload.hf: measured at %d tokens: a layer saves up to %.2f GiB and "
-                    "recomputes in up to %.2f ms; the step peaked at %.2f GiB",
-                    measured.tokens, layer_bytes / GIB, layer_ms * 1e3, measured.peak_bytes / GIB)
+                    "recomputes in up to %.2f ms; the step peaked at %.2f GiB, with %.2f GiB "
+                    "of free pieces stranded as the head began", measured.tokens,
+                    layer_bytes / GIB, layer_ms * 1e3, measured.peak_bytes / GIB,
+                    measured.stranded_bytes / GIB)
 
     def advice(self) -> Optional[str]:
         """Without a budget: what memory_budget='auto' would buy at the measured length, or

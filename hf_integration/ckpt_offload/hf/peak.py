@@ -17,6 +17,8 @@ memory allocated when the step began:
   gradient of its input is ready), above the memory allocated when its recompute began;
 - layer_phase_peak_bytes (not a part): the highest the memory rose during the layers'
   recomputes and backward, above what was allocated when the step began;
+- head_stranded_bytes (not a part): the allocator's free pieces in segments that also hold
+  live tensors as the head began (0 on CPU), which a fresh logits block cannot use;
 - dominant ("head_loss", "layer_recompute" or "hidden_states_kept") and advice.
 
 Meters. CUDA: the caching allocator's counters (memory_allocated, max_memory_allocated;
@@ -83,6 +85,12 @@ class CudaMeter:
 
     def mark(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)  # the peak restarts from now
+
+    def stranded(self) -> int:
+        """Free pieces of segments that also hold live tensors: reserved memory that only a
+        block fitting one of them can use, and that emptying the cache cannot return."""
+        stats = torch.cuda.memory_stats_as_nested_dict(self.device)
+        return int(stats["inactive_split_bytes"]["all"]["current"])
 
     def stop(self) -> None:
         pass
@@ -160,6 +168,9 @@ class LiveTensorMeter(TorchDispatchMode):
     def mark(self) -> None:
         self._peak = self.now()
 
+    def stranded(self) -> int:
+        return 0  # no allocator: every freed byte is free
+
     def stop(self) -> None:
         """Stops counting; the mode stays on the stack until remove()."""
         self.recording = False
@@ -213,6 +224,7 @@ class StepProfile:
         self.layer_recompute = 0
         self.layer_phase_peak = 0
         self.hidden_states_kept = 0
+        self.head_stranded = 0  # the meter's stranded() as the last layer's forward ended
         self._inputs: Dict[int, Tuple[StorageWeakRef, int]] = {}  # tagged layer inputs
         self._end_queued = False
 
@@ -251,6 +263,7 @@ class StepProfile:
                 tensor.register_hook(self._layer_backward_ended)
                 hooked = True
         self._boundary("head")
+        self.head_stranded = self.meter.stranded()
 
     def recompute_probe(self, function: Callable) -> Callable:
         """`function` as checkpoint gets it: called inside backward, it is a recompute."""
@@ -398,7 +411,8 @@ class PeakTracker:
             hidden_states_kept_bytes=profile.hidden_states_kept,
             offload_removed_bytes=removed, keep_last=self.handle.config.keep_last)
         self.result.update(micro_step=profile.micro_step, meter=profile.meter.name,
-                           layer_phase_peak_bytes=max(0, int(profile.layer_phase_peak)))
+                           layer_phase_peak_bytes=max(0, int(profile.layer_phase_peak)),
+                           head_stranded_bytes=int(profile.head_stranded))
         self._removing.append(profile.meter)
         if self.current is profile:
             self.current = None
