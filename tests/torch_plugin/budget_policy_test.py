@@ -30,10 +30,10 @@ def test_the_measured_h200_plans():
     measured = llama_8b()
     assert plan_layers(measured, TOKENS, int(0.95 * 139.8 * GIB)).count(RESIDENT) == 32
     at_80 = plan_layers(measured, TOKENS, int(0.95 * 80 * GIB))
-    assert at_80.count(RESIDENT) == 17
-    assert at_80.modes == (CHECKPOINT,) * 15 + (RESIDENT,) * 17
-    assert at_80.predicted_seconds_saved == pytest.approx(17 * 12.1e-3)
-    assert plan_layers(measured, TOKENS, int(0.95 * 40 * GIB)).count(RESIDENT) == 3
+    assert at_80.count(RESIDENT) == 18
+    assert at_80.modes == (CHECKPOINT,) * 14 + (RESIDENT,) * 18
+    assert at_80.predicted_seconds_saved == pytest.approx(18 * 12.1e-3)
+    assert plan_layers(measured, TOKENS, int(0.95 * 40 * GIB)).count(RESIDENT) == 4
 
 
 @pytest.mark.parametrize("budget_gib, tokens, reserve_gib", list(itertools.product(
