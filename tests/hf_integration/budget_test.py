@@ -417,6 +417,51 @@ def test_plans_are_bit_identical_in_every_model_family(family, monkeypatch):
         handle.disable()
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_offloaded_outputs_are_bit_identical_in_every_model_family(family):
+    """Each family's layers offload every other measured candidate with their inputs and keep
+    one more on the device (attention dropout on): losses and gradients are bit-identical
+    to full checkpointing, the outputs pass through the engine, and the host pool is empty
+    after every step."""
+    layers = 4
+    make_model = functools.partial(tiny_family, family, layers=layers, dropout=0.2)
+    lengths = [32] * STEPS
+    expected = run(checkpointed(make_model()), batches(lengths))
+    measured = measurement_of(make_model, lengths)
+    offloaded, kept = [], []
+    for cost in measured.layers:
+        keys = [output.key for output in cost.outputs]
+        assert len(keys) >= 3, (family, keys)
+        offloaded.append(frozenset(keys[0::2]))
+        kept.append(frozenset(keys[1:2]))
+    plan = LayerPlan(tokens=64, budget_bytes=1 << 40, modes=(SELECTIVE,) * layers,
+                     predicted_peak_bytes=0, predicted_seconds_saved=0.0,
+                     checkpointed_peak_bytes=0, kept_outputs=tuple(kept),
+                     offloaded_outputs=tuple(offloaded))
+    model = checkpointed(make_model())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    handle._budget._plans[(64, False)] = plan
+    model.train()
+    torch.manual_seed(11)
+    losses, grads, moved = [], [], []
+    for ids in batches(lengths):
+        model.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        moved.append(handle.stats()["offloaded_tensors"])
+        losses.append(loss.detach().clone())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+        del loss
+        assert handle.stats()["host_live_bytes"] == 0
+    assert handle.layer_modes() == [SELECTIVE] * layers
+    assert_identical(expected, (losses, grads))
+    # From the planned steps on, each layer's offloaded outputs move with its input.
+    offloaded_count = sum(len(keys) for keys in offloaded)
+    assert all(m >= moved[0] + offloaded_count for m in moved[MEASURED_STEP:]), moved
+    handle.disable()
+
+
 @pytest.mark.skipif(LAYER_CALL_IS_CHECKPOINTED,
                     reason="FSDP2's hooks on a layer run inside its checkpoint here: no candidates")
 def test_fsdp2_layers_measure_and_keep_outputs_bit_identically(tmp_path):
