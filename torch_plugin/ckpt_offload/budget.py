@@ -33,13 +33,13 @@ need new segments. On the H200 (8B, s8k), a plan keeping 47.7 GiB at an 80 GiB c
 of memory with 7.1 GiB in such pieces, its allocations 5 GiB below the prediction; one
 keeping 10.7 GiB reserved 1.3 GiB above its allocated peak. On the H100 with the budget as
 the cap (38 GiB, 8B, s8k), a plan keeping 9.5 GiB stranded 1.63 GiB (17 %) and ran out of
-memory 0.17 GiB short for the logits, its allocations where predicted; rerun with each kept byte
-counted 20 % more, it kept 9.1 GiB and stranded 2.01 GiB. Part of that is the checkpointed step's own: ckpt_offload
-without a budget, at a 28 GiB cap, stranded 0.97 GiB when the logits were asked for, and
-beyond that the plans stranded at most 11.4 % of what they kept. So each kept byte is
-counted with FRAGMENTATION_MARGIN more, the measured step's own free pieces as
-its head began (`stranded_bytes`) are added to its peak, and the plan's predicted peak is of
-reserved memory.
+memory 0.17 GiB short for the logits, its allocations where predicted; rerun with each kept
+byte counted 20 % more, it kept 9.1 GiB and stranded 2.01 GiB. Part of that is the
+checkpointed step's own: ckpt_offload without a budget, at a 28 GiB cap, stranded 0.97 GiB
+when the logits were asked for, and beyond that the plans stranded at most 11.4 % of what
+they kept. So each kept byte is counted with FRAGMENTATION_MARGIN more, the measured step's
+own free pieces as its head began (`stranded_bytes`) are added to its peak, and the plan's
+predicted peak is of reserved memory.
 
 Order. The resident layers are the last ones: backward frees them first, so every
 checkpointed layer's recompute runs without them, and they leave the allocator's segments
