@@ -642,12 +642,19 @@ class LayerBudget:
         self.measurements[measured.tokens] = measured
         self._report_measurement(measured, probes)
 
+    def _measured_breakdown(self) -> Optional[Dict[str, Any]]:
+        """The peak breakdown of the step just measured (None: that step was not profiled)."""
+        breakdown = self.handle._peak.result
+        if breakdown is None or breakdown.get("micro_step") != self.handle._micro_steps:
+            return None
+        return breakdown
+
     def _activation_peak(self, layers: List[LayerCost]) -> float:
         """The measured step's activation peak: the peak breakdown's; without one (it was not
         profiled), on CUDA the allocator's peak since it was last reset, else every layer's
         saved bytes: upper bounds."""
-        breakdown = self.handle._peak.result
-        if breakdown is not None and breakdown.get("micro_step") == self.handle._micro_steps:
+        breakdown = self._measured_breakdown()
+        if breakdown is not None:
             return breakdown["step_peak_bytes"]
         if self._cuda:
             return max(0, torch.cuda.max_memory_allocated() - self._allocated_at_start)
@@ -656,8 +663,8 @@ class LayerBudget:
     def _layer_phase_peak(self) -> int:
         """The measured step's peak during the layers' backward, weights and all (0: not
         profiled)."""
-        breakdown = self.handle._peak.result
-        if breakdown is None or breakdown.get("micro_step") != self.handle._micro_steps:
+        breakdown = self._measured_breakdown()
+        if breakdown is None:
             return 0
         rise = breakdown.get("layer_phase_peak_bytes", 0)
         return int(self._allocated_at_start + rise) if rise else 0
@@ -665,10 +672,8 @@ class LayerBudget:
     def _head_stranded(self) -> int:
         """The allocator's stranded free pieces as the measured step's head began (0: not
         profiled, or no allocator)."""
-        breakdown = self.handle._peak.result
-        if breakdown is None or breakdown.get("micro_step") != self.handle._micro_steps:
-            return 0
-        return int(breakdown.get("head_stranded_bytes", 0))
+        breakdown = self._measured_breakdown()
+        return int(breakdown.get("head_stranded_bytes", 0)) if breakdown is not None else 0
 
     def _output_offload(self) -> Optional[OutputOffload]:
         """What offloading op outputs may use under this installation's engine settings
@@ -685,10 +690,8 @@ class LayerBudget:
     def _largest_block_per_token(self, activation_peak: float) -> float:
         """The LM head's float32 logits per token, bounded by the measured step's head
         stretch (the peak breakdown's head_loss_bytes, else its activation peak)."""
-        breakdown = self.handle._peak.result
-        head = activation_peak
-        if breakdown is not None and breakdown.get("micro_step") == self.handle._micro_steps:
-            head = breakdown["head_loss_bytes"]
+        breakdown = self._measured_breakdown()
+        head = activation_peak if breakdown is None else breakdown["head_loss_bytes"]
         logits = 4 * self._vocab if self._vocab else head / self._measured_tokens
         return min(logits, head / self._measured_tokens)
 
