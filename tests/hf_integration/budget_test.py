@@ -51,9 +51,10 @@ def batches(lengths, seed=5):
     return [torch.randint(3, VOCAB, (2, n), generator=generator) for n in lengths]
 
 
-def run(model, ids_list, handle=None, seed=11):
+def run(model, ids_list, handle=None, seed=11, after_step=None):
     """Forward and backward of each batch; (losses, gradients by step). The global RNG is
-    seeded once, so dropout draws the same numbers in every run that consumes them alike."""
+    seeded once, so dropout draws the same numbers in every run that consumes them alike.
+    after_step(), if given, runs after each step's backward, its loss released."""
     model.train()
     torch.manual_seed(seed)
     losses, grads = [], []
@@ -64,6 +65,9 @@ def run(model, ids_list, handle=None, seed=11):
         losses.append(loss.detach().clone())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()
                       if p.grad is not None})
+        del loss
+        if after_step is not None:
+            after_step()
     return losses, grads
 
 
@@ -441,21 +445,16 @@ def test_offloaded_outputs_are_bit_identical_in_every_model_family(family):
     model = checkpointed(make_model())
     handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
     handle._budget._plans[(64, False)] = plan
-    model.train()
-    torch.manual_seed(11)
-    losses, grads, moved = [], [], []
-    for ids in batches(lengths):
-        model.zero_grad(set_to_none=True)
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        moved.append(handle.stats()["offloaded_tensors"])
-        losses.append(loss.detach().clone())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
-        del loss
-        assert handle.stats()["host_live_bytes"] == 0
+    moved = []
+
+    def after_step():
+        stats = handle.stats()
+        moved.append(stats["offloaded_tensors"])
+        assert stats["host_live_bytes"] == 0
+
+    actual = run(model, batches(lengths), handle, after_step=after_step)
     assert handle.layer_modes() == [SELECTIVE] * layers
-    assert_identical(expected, (losses, grads))
+    assert_identical(expected, actual)
     # From the planned steps on, each layer's offloaded outputs move with its input.
     offloaded_count = sum(len(keys) for keys in offloaded)
     assert all(m >= moved[0] + offloaded_count for m in moved[MEASURED_STEP:]), moved

@@ -128,7 +128,6 @@ def test_plans_fit_a_cap_equal_to_their_budget_at_the_stranding_measured_there()
         assert any(needs(measured, budget) > budget for budget in budgets)
 
 
-
 def test_bad_figures_are_refused():
     with pytest.raises(ValueError, match="LayerCost"):
         LayerCost(-1.0, 0.0)
