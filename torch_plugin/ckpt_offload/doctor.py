@@ -199,6 +199,8 @@ def measure_gpu(report: Report, device_index: int, copy_mib: int):
     """Pinned allocation speed and copy bandwidths on `device_index`, on a stream of its own."""
     import torch
 
+    from ckpt_offload.copy_rate import copy_seconds
+
     device = torch.device("cuda", device_index)
     props = torch.cuda.get_device_properties(device)
     report.add("GPU", "gpu", "device",
@@ -233,29 +235,10 @@ def measure_gpu(report: Report, device_index: int, copy_mib: int):
     device_buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
     device_out = torch.empty(nbytes, dtype=torch.uint8, device=device)
     streams = [torch.cuda.Stream(device), torch.cuda.Stream(device)]
-
-    def timed(copies) -> float:
-        """Best of COPY_REPEATS, seconds, for the copies issued on their streams at once."""
-        best = float("inf")
-        for _ in range(COPY_REPEATS + 1):  # the first is a warm-up
-            begin = torch.cuda.Event(enable_timing=True)
-            ends = []
-            begin.record(streams[0])
-            for (dst, src), stream in zip(copies, streams):
-                stream.wait_event(begin)
-                with torch.cuda.stream(stream):
-                    dst.copy_(src, non_blocking=True)
-                end = torch.cuda.Event(enable_timing=True)
-                end.record(stream)
-                ends.append(end)
-            for end in ends:
-                end.synchronize()
-            best = min(best, max(begin.elapsed_time(end) for end in ends) / 1e3)
-        return best
-
-    d2h = nbytes / timed([(host, device_buf)]) / 1e9
-    h2d = nbytes / timed([(device_out, host_in)]) / 1e9
-    both = 2 * nbytes / timed([(host, device_buf), (device_out, host_in)]) / 1e9
+    d2h = nbytes / copy_seconds([(host, device_buf)], streams, COPY_REPEATS) / 1e9
+    h2d = nbytes / copy_seconds([(device_out, host_in)], streams, COPY_REPEATS) / 1e9
+    both = 2 * nbytes / copy_seconds([(host, device_buf), (device_out, host_in)], streams,
+                                     COPY_REPEATS) / 1e9
     report.add("GPU", "d2h_gbps", "D2H (pinned)", round(d2h, 2), f"{d2h:.1f} GB/s")
     report.add("GPU", "h2d_gbps", "H2D (pinned)", round(h2d, 2), f"{h2d:.1f} GB/s")
     report.add("GPU", "bidir_gbps", "both at once", round(both, 2), f"{both:.1f} GB/s")
