@@ -13,6 +13,8 @@ LoRA model over one shared base:
 - ckpt_offload: today's ckpt_offload (inputs offloaded, every layer checkpointed);
 - budget: ckpt_offload with memory_budget="auto" (95 % of the cap), or --budget;
 - budget_keep: the same budget with no op outputs offloaded (kept on the device only);
+- budget@S (e.g. budget@0.95): the budget with each layer's copy window at share S of its
+  forward (ckpt_offload.budget.COPY_WINDOW_SHARE otherwise);
 - none: no checkpointing, where it fits;
 - every_n: transformers' every_n_layers at the largest N (fewest layers checkpointed) of
   2, 3, 4, 6, 8, 16, 32 whose step fits, found before the timed rounds.
@@ -122,10 +124,12 @@ def make_modes(names, base, budget="auto") -> List[Mode]:
         model = lora_model(base)
         if name == "ckpt_offload":
             modes.append(Mode(name, model, enable_activation_offload(model)))
-        elif name in ("budget", "budget_keep"):
+        elif name in ("budget", "budget_keep") or name.startswith("budget@"):
             handle = enable_activation_offload(model, memory_budget=budget)
             if name == "budget_keep":
                 handle._budget.copy_bytes_per_second = 0
+            elif "@" in name:
+                handle._budget.copy_window_share = float(name.partition("@")[2])
             modes.append(Mode(name, model, handle))
         elif name == "none":
             model.base_model.model.gradient_checkpointing_disable()
@@ -296,6 +300,9 @@ def table(report) -> str:
                              f"{offloaded / GIB:.1f} GiB of outputs")
                 if "exposed_wait_ms" in stats:
                     plan += f", exposed wait {stats['exposed_wait_ms']:.1f} ms"
+                rate = stats.get("budget_copy_bytes_per_second", 0)
+                if rate and offloaded:
+                    plan += f", copies {rate / 1e9:.1f} GB/s"
                 predicted = stats.get("budget_predicted_peak_bytes", 0)
                 if predicted:
                     plan += f", predicted peak {predicted / GIB:.1f} GiB"

@@ -127,8 +127,11 @@ def test_a_budget_of_todays_memory_offloads_outputs_bit_identically():
     # plan offloads (here the layers' backward, eager attention's scores, is the peak).
     from ckpt_offload.budget import OutputOffload, plan_layers
     from ckpt_offload.config import OffloadConfig
+    from ckpt_offload.copy_rate import host_copy_bytes_per_second
+    rate = host_copy_bytes_per_second()  # what the budget plans with on this device
+    assert 1e9 < rate < 1e12 and host_copy_bytes_per_second() == rate  # measured once
     config = OffloadConfig()
-    offload = OutputOffload.for_engine(55e9, config.keep_last, config.prefetch_depth,
+    offload = OutputOffload.for_engine(rate, config.keep_last, config.prefetch_depth,
                                        config.max_inflight_d2h_groups, config.min_offload_bytes)
     budget = measured.peak_bytes
     while plan_layers(measured, measured.tokens, budget, 0, offload).offloading_layers == 0:
@@ -144,11 +147,13 @@ def test_a_budget_of_todays_memory_offloads_outputs_bit_identically():
     print(f"today's reserved peak {max(today[2:]) / GIB:.2f} GiB; budget "
           f"{budget / GIB:.2f} GiB, measured peak {measured.peak_bytes / GIB:.2f} (layer phase "
           f"{measured.layer_phase_peak_bytes / GIB:.2f}): {plan['budget_offloading_layers']} "
-          f"layers offload {plan['budget_offloaded_output_bytes'] / GIB:.2f} GiB of outputs, "
+          f"layers offload {plan['budget_offloaded_output_bytes'] / GIB:.2f} GiB of outputs "
+          f"(copies {rate / 1e9:.1f} GB/s), "
           f"predicted to save {plan['budget_predicted_saved_ms']:.1f} ms; reserved peaks "
           f"{[round(r / GIB, 2) for r in reserved]}; exposed wait "
           f"{stats['exposed_wait_ms']:.2f} ms")
     assert 0 < plan["budget_offloading_layers"] <= LAYERS - 3  # the last ones never do
+    assert plan["budget_copy_bytes_per_second"] == rate
     assert max(reserved[2:]) <= max(today[2:]) + (budget - measured.peak_bytes) + GIB // 2
     for step in range(STEPS):
         assert torch.equal(losses[step], expected_losses[step]), step

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from ckpt_offload import budget as budget_policy
 from ckpt_offload.budget import (CHECKPOINT, HOST_POOL_MARGIN, RESIDENT, SELECTIVE, LayerPlan,
-                                 checkpointed_peak, plan_layers)
+                                 OutputOffload, checkpointed_peak, plan_layers)
 from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
 from ckpt_offload.hf import layer_budget
 from ckpt_offload.hf.compile import LAYER_CALL_IS_CHECKPOINTED
@@ -299,6 +299,36 @@ def test_a_budget_at_todays_memory_offloads_outputs_bit_identically():
         assert stats["budget_resident_layers"] == 0
         assert peak <= stats["budget_predicted_peak_bytes"], step
     assert_identical(expected, actual)
+    handle.disable()
+
+
+@pytest.mark.parametrize("rate, share", [(None, budget_policy.COPY_WINDOW_SHARE),
+                                         (None, 0.3), (2e9, budget_policy.COPY_WINDOW_SHARE),
+                                         (0, budget_policy.COPY_WINDOW_SHARE)])
+def test_the_plan_uses_the_budgets_copy_rate_and_window_share(rate, share):
+    """The copy windows are sized with the budget's copy rate (None: the device's, measured
+    on CUDA; the policy's figure without one; 0: nothing offloaded) and its window share;
+    stats() report the rate the plan used."""
+    lengths = [32] * STEPS
+    make_model = functools.partial(llama, vocab=4096)
+    budget = checkpointed_peak(measurement_of(make_model, lengths), 64)
+    model = checkpointed(make_model())
+    handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    handle._budget.copy_bytes_per_second = rate
+    handle._budget.copy_window_share = share
+    run(model, batches(lengths), handle)
+    used = budget_policy.HOST_COPY_BYTES_PER_SECOND if rate is None else rate
+    config = handle.engine.config
+    offload = OutputOffload.for_engine(
+        used, config.keep_last, config.prefetch_depth, config.max_inflight_d2h_groups,
+        config.min_offload_bytes, config.host_memory_limit_bytes(), share) if used else None
+    measured = handle._budget.measurement
+    assert handle._budget.latest_plan == plan_layers(measured, 64, budget, 0, offload)
+    assert handle.budget_stats()["budget_copy_bytes_per_second"] == used
+    if rate is None and share == budget_policy.COPY_WINDOW_SHARE:
+        assert handle._budget.latest_plan.offloading_layers == LAYERS - 3
+    if not used:
+        assert handle._budget.latest_plan.offloaded_output_bytes == 0
     handle.disable()
 
 

@@ -112,9 +112,10 @@ OpKey = Tuple[str, int]
 # and the head's large blocks cannot use those free pieces (see "Memory").
 FRAGMENTATION_MARGIN = 0.15
 
-# Device-to-host copy rate of pinned host memory, measured on the H200 and the H100 (55 GB/s
-# either way), and the share of a layer's forward its copies may take (they queue behind the
-# layer's input and the previous layer's copies).
+# Device-to-host copy rate of pinned host memory where none was measured (the H200's and
+# the H100's, 55 GB/s either way; on CUDA the budget measures its device's,
+# ckpt_offload.copy_rate), and the share of a layer's forward its copies may take (they
+# queue behind the layer's input and the previous layer's copies).
 HOST_COPY_BYTES_PER_SECOND = 55e9
 COPY_WINDOW_SHARE = 0.8
 # How often the windows may halve before no output is offloaded (1/256 of a window is
@@ -210,17 +211,23 @@ class OutputOffload:
     last_layers_without: int
     min_bytes: int = 0
     host_bytes: float = math.inf
+    # The share of a layer's forward its copies may take, at most (the windows may shrink).
+    window_share: float = COPY_WINDOW_SHARE
 
     def __post_init__(self):
         if not self.bytes_per_second >= 0 or self.layers_on_device < 0:
             raise ValueError(f"OutputOffload: figures must be >= 0, got {self}")
         if self.last_layers_without < 0 or self.min_bytes < 0 or not self.host_bytes >= 0:
             raise ValueError(f"OutputOffload: figures must be >= 0, got {self}")
+        if not 0 < self.window_share <= 1:
+            raise ValueError(f"OutputOffload.window_share: must be in (0, 1], got "
+                             f"{self.window_share}")
 
     @classmethod
     def for_engine(cls, bytes_per_second: float, keep_last: int, prefetch_depth: int,
                    max_inflight_d2h_groups: int, min_offload_bytes: int,
-                   host_memory_limit: Optional[int] = None) -> "OutputOffload":
+                   host_memory_limit: Optional[int] = None,
+                   window_share: float = COPY_WINDOW_SHARE) -> "OutputOffload":
         """What the engine's settings allow: beside a layer's backward, the layers
         prefetched and the one recomputed (in forward, the groups whose copies are in
         flight); while the head runs, the kept groups and those in flight are on the
@@ -231,7 +238,7 @@ class OutputOffload:
         return cls(bytes_per_second=bytes_per_second,
                    layers_on_device=max(prefetch_depth + 1, max_inflight_d2h_groups),
                    last_layers_without=keep_last + max_inflight_d2h_groups,
-                   min_bytes=min_offload_bytes, host_bytes=host)
+                   min_bytes=min_offload_bytes, host_bytes=host, window_share=window_share)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,7 +550,7 @@ def _offloaded_plan(measured: StepMeasurement, tokens: int, base: int, room: int
     if offload is None or offload.bytes_per_second <= 0:
         return none
     layer_base = layer_phase_peak(measured, tokens)
-    share = COPY_WINDOW_SHARE
+    share = offload.window_share
     for _ in range(WINDOW_HALVINGS + 1):
         chosen = [offloaded_candidates(layer, tokens, offload, share)
                   if index < count - offload.last_layers_without

@@ -71,6 +71,7 @@ from ckpt_offload.budget import (CHECKPOINT, RESIDENT, SELECTIVE, KeptOutput, La
                                  OpKey, OutputOffload, StepMeasurement, checkpointed_peak,
                                  plan_layers, plan_summary)
 from ckpt_offload.config import parse_memory_budget
+from ckpt_offload.copy_rate import host_copy_bytes_per_second
 
 logger = logging.getLogger("ckpt_offload.hf")
 
@@ -84,7 +85,8 @@ STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers"
              "budget_checkpointed_layers", "budget_kept_output_bytes", "budget_tokens",
              "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
              "budget_reserve_bytes", "budget_offloading_layers", "budget_offloaded_output_bytes",
-             "budget_host_limited_bytes", "budget_measured_peak_bytes", "budget_measuring")
+             "budget_host_limited_bytes", "budget_measured_peak_bytes", "budget_measuring",
+             "budget_copy_bytes_per_second")
 
 # The wall clock of measurements on CPU (tests replace it with a deterministic one).
 _clock = time.perf_counter
@@ -467,8 +469,12 @@ class LayerBudget:
         self._plans: Dict[tuple, LayerPlan] = {}  # by (tokens, length changed)
         self._previous_tokens = 0
         self._vocab = _output_vocab(handle.model)
-        # The copy rate offloaded outputs are planned with (0: none are offloaded).
-        self.copy_bytes_per_second = policy.HOST_COPY_BYTES_PER_SECOND
+        # The copy rate offloaded outputs are planned with (0: none are offloaded; None: the
+        # device's, measured when the first plan is made) and the share of each layer's
+        # forward their copies may take.
+        self.copy_bytes_per_second: Optional[float] = None
+        self.copy_window_share = policy.COPY_WINDOW_SHARE
+        self.planned_copy_bytes_per_second = 0.0  # the rate the latest plan used
         self._probes: Optional[Dict[nn.Module, _LayerProbe]] = None
         self._seen: Dict[int, Any] = {}  # address -> (weak ref, first layer) in the measured step
         self._measured_tokens = 0
@@ -679,13 +685,27 @@ class LayerBudget:
         """What offloading op outputs may use under this installation's engine settings
         (see ckpt_offload.budget, "Offloaded outputs"); None without an offload backend."""
         engine = self.handle.engine
-        if engine.backend is None or self.copy_bytes_per_second <= 0:
+        rate = self.planned_copy_bytes_per_second = self._copy_rate()
+        if engine.backend is None or rate <= 0:
             return None
         config = engine.config
         return OutputOffload.for_engine(
-            self.copy_bytes_per_second, config.keep_last, config.prefetch_depth,
-            config.max_inflight_d2h_groups, config.min_offload_bytes,
-            config.host_memory_limit_bytes())
+            rate, config.keep_last, config.prefetch_depth, config.max_inflight_d2h_groups,
+            config.min_offload_bytes, config.host_memory_limit_bytes(), self.copy_window_share)
+
+    def _copy_rate(self) -> float:
+        """The copy rate offloaded outputs are planned with: the one set, else on CUDA the
+        device's measured rate (ckpt_offload.copy_rate), else the policy's figure."""
+        if self.copy_bytes_per_second is not None:
+            return self.copy_bytes_per_second
+        measured = host_copy_bytes_per_second() if self._cuda else 0.0
+        if measured > 0:
+            self.copy_bytes_per_second = measured
+            self._say("copy_rate", "ckpt_offload.hf: copies to pinned host memory run at "
+                      "%.1f GB/s on this device (measured); offloaded outputs are planned "
+                      "with it", measured / 1e9)
+            return measured
+        return policy.HOST_COPY_BYTES_PER_SECOND
 
     def _largest_block_per_token(self, activation_peak: float) -> float:
         """The LM head's float32 logits per token, bounded by the measured step's head
@@ -754,6 +774,7 @@ class LayerBudget:
             figures.update(plan_summary(self.latest_plan))
         figures["budget_measured_peak_bytes"] = self.measured_peak_bytes
         figures["budget_measuring"] = int(self._probes is not None)
+        figures["budget_copy_bytes_per_second"] = self.planned_copy_bytes_per_second
         return figures
 
     def _say(self, key, message: str, *args) -> None:
