@@ -7,6 +7,8 @@
 #   var    100 steps of random lengths in [4096, 32768] under "auto", 80 GiB
 #   held   the budget as the cap (the allocator may reserve no more than the budget):
 #          38 GiB at s8k, 75 GiB at s16k (at 28 GiB, s8k, ckpt_offload alone runs out)
+#   shares copy-window shares side by side (budget@S) at today's memory and 40 GiB, s8k;
+#          the GPU budget tests and the doctor's copy figures
 set -u
 part=$1
 export PYTHONUNBUFFERED=1
@@ -44,5 +46,15 @@ case $part in
         --out "$OUT/held_${seq}_$gib" > "$OUT/held_${seq}_$gib.log" 2>&1
       rm -f "$OUT/held_${seq}_$gib/budget_bench.md"  # the log has its table (8 files come back)
     done ;;
+  shares)
+    timeout 220 python3 "$bench" --configs llama3-8b:8192:full \
+      --modes ckpt,budget,budget@0.9,budget@0.95,budget@1.0 --budget 28GiB --rounds 3 \
+      --empty-cache --out "$OUT/shares_28" > "$OUT/shares_28.log" 2>&1
+    timeout 150 python3 "$bench" --configs llama3-8b:8192:40 --modes ckpt,budget,budget@0.95 \
+      --rounds 3 --empty-cache --out "$OUT/shares_40" > "$OUT/shares_40.log" 2>&1
+    rm -f "$OUT"/shares_*/budget_bench.md  # the logs have their tables (8 files come back)
+    (cd "$tests" && timeout 120 python3 -m pytest -q -s -p no:cacheprovider \
+      gpu/budget_gpu_test.py "gpu/torch_gpu_test.py::test_doctor_reports_the_engines_own_pinning_and_the_copies") \
+      > "$OUT/pytest.log" 2>&1 ;;
 esac
 echo "part $part done"
