@@ -203,6 +203,14 @@ def run_config(shape: str, seq: int, cap: str, rounds: int, names, base, budget=
                 row["measured_recompute_ms"] = max(
                     c.recompute_seconds_per_token for c in measured.layers) * measured.tokens * 1e3
                 row["measured_peak_gib"] = measured.peak_bytes / GIB
+                # The middle layer's candidates: (op, ordinal, MiB, ms) at the measured length.
+                layer = measured.layers[len(measured.layers) // 2]
+                row["measured_outputs"] = [
+                    (o.key[0], o.key[1], round(o.bytes_per_token * measured.tokens / 2**20, 2),
+                     round(o.seconds_per_token * measured.tokens * 1e3, 3))
+                    for o in layer.outputs]
+                row["measured_layer_input_mib"] = (
+                    layer.input_bytes_per_token * measured.tokens / 2**20)
             mode.handle.disable()
         rows.append(row)
     losses = {tuple(r["losses"][:1]) for r in rows if r.get("losses")}
