@@ -329,8 +329,27 @@ def test_offloaded_outputs_stay_within_the_host_memory_limit():
     assert "3.90 GiB more fit the windows but not the host limit" in text
 
 
+def test_stranded_pieces_count_in_the_checkpointed_peak():
+    """--stranded_gib (the measured step's free pieces as its head began) is reserved memory
+    the plan counts: the checkpointed peak and every prediction rise by it, and a budget
+    they no longer fit keeps every layer checkpointed."""
+    args = ("--memory_budget=40GiB", "--kept_gib=0.3", "--kept_ms=6")
+    plain = budget_figures(*args)
+    stranded = budget_figures(*args, "--stranded_gib=1.5")
+    assert plain["checkpointed_peak_bytes"] == int(27.5 * 2**30)
+    assert stranded["checkpointed_peak_bytes"] == plain["checkpointed_peak_bytes"] + 1.5 * 2**30
+    assert stranded["predicted_peak_bytes"] <= 40 * 2**30
+    assert stranded["predicted_step_ms"] >= plain["predicted_step_ms"]
+    over = budget_figures("--memory_budget=28.5GiB", "--stranded_gib=1.5")
+    assert not over["fits"] and over["resident_layers"] == over["selective_layers"] == 0
+    text = run("--preset=llama-8b", "--seq=8192", "--step_peak_gib=27.5", "--layer_gib=2.25",
+               "--layer_ms=12.1", "--memory_budget=28.5GiB", "--stranded_gib=1.5").stdout
+    assert "(checkpointed step 29.00 GiB)" in text and "every layer stays" in text
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--memory_budget=80GiB"], "--step_peak_gib"),
+    (["--memory_budget=80GiB", "--step_peak_gib=27", "--stranded_gib=-1"], "--stranded_gib"),
     (["--memory_budget=auto", "--step_peak_gib=27"], "--device_gib"),
     (["--memory_budget=0.5", "--step_peak_gib=27"], "--device_gib"),
     (["--memory_budget=lots", "--step_peak_gib=27"], "--memory_budget"),

@@ -51,6 +51,10 @@ Also (python -m ckpt_offload.plan only):
   --device_gib=N            the device's memory, for auto and fractions
   --step_peak_gib=N         the step's peak with every layer checkpointed (weights
                             included): required with --memory_budget
+  --stranded_gib=N          the allocator's free pieces stranded as that step's head
+                            began (the Trainer log's measurement line; default 0): the
+                            plan holds reserved memory to the budget, and they are part
+                            of it
   --layer_gib=N             one layer's saved tensors (default: estimated from the shape)
   --layer_ms=N              one layer's recompute (default: the planner's forward time)
   --step_ms=N               the checkpointed step's time (default: the simulated step)
@@ -60,8 +64,8 @@ Also (python -m ckpt_offload.plan only):
 """
 
 # The flags python -m ckpt_offload.plan reads for a memory budget (the others go to the planner).
-BUDGET_FLAGS = ("memory_budget", "device_gib", "step_peak_gib", "layer_gib", "layer_ms",
-                "step_ms", "kept_gib", "kept_ms")
+BUDGET_FLAGS = ("memory_budget", "device_gib", "step_peak_gib", "stranded_gib", "layer_gib",
+                "layer_ms", "step_ms", "kept_gib", "kept_ms")
 
 # A decoder layer's saved bytes per token in bf16 (twice that in fp32): 44 x hidden + 8 x ffn.
 # Calibrated on the Llama-3.1-8B shape measured by memory_budget on the H200 (LoRA r=16,
@@ -255,13 +259,15 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
         outputs = ()  # layers that keep nothing (compiled, or a context_fn of the user's)
     else:
         outputs = (KeptOutput(("kept", 0), kept_gib * GIB / tokens, kept_ms / 1e3 / tokens),)
+    stranded_gib = _positive(flags, "stranded_gib", True) or 0.0
     measured = uniform_measurement(
         plan["layers"], tokens, layer_gib * GIB / tokens, layer_ms / 1e3 / tokens,
         peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0, outputs=outputs)
     # The layer's input is what the engine offloads of it (the planner's bytes per layer).
     layer = dataclasses.replace(measured.layers[0],
                                 input_bytes_per_token=plan["bytes_per_layer"] / tokens)
-    measured = dataclasses.replace(measured, layers=(layer,) * plan["layers"])
+    measured = dataclasses.replace(measured, layers=(layer,) * plan["layers"],
+                                   stranded_bytes=int(stranded_gib * GIB))
     offload = OutputOffload.for_engine(
         plan["d2h_gbps"] * 1e9, plan["keep_last"], plan["prefetch_depth"],
         plan["max_inflight_d2h_groups"], OffloadConfig().min_offload_bytes,
@@ -279,13 +285,14 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
         "offloaded_output_bytes": layer_plan.offloaded_output_bytes,
         "host_limited_bytes": layer_plan.host_limited_bytes,
         "predicted_peak_bytes": layer_plan.predicted_peak_bytes,
+        "checkpointed_peak_bytes": layer_plan.checkpointed_peak_bytes,
         "checkpointed_step_ms": step_ms,
         "predicted_step_ms": step_ms - layer_plan.predicted_seconds_saved * 1e3,
         "fits": layer_plan.fits,
     }
 
 
-def budget_text(section: Dict, step_peak_gib: float) -> str:
+def budget_text(section: Dict) -> str:
     layer = section["layer_bytes"] / GIB
     source = ("estimated from the shape" if section["layer_bytes_estimated"]
               else "given")
@@ -306,7 +313,7 @@ def budget_text(section: Dict, step_peak_gib: float) -> str:
         f"{section['offloaded_output_bytes'] / GIB:.2f} GiB of op outputs with their inputs "
         f"(within each layer's copy window{held_back})",
         f"  predicted peak                {section['predicted_peak_bytes'] / GIB:.2f} GiB "
-        f"(checkpointed step {step_peak_gib:.2f} GiB)",
+        f"(checkpointed step {section['checkpointed_peak_bytes'] / GIB:.2f} GiB)",
         f"  predicted step                {section['predicted_step_ms']:.1f} ms "
         f"(checkpointed {section['checkpointed_step_ms']:.1f} ms, "
         f"{section['predicted_step_ms'] / section['checkpointed_step_ms']:.3f}x)",
@@ -332,7 +339,7 @@ def run(args: List[str]) -> str:
     section = budget_section(budget_flags, plan)
     if as_json:
         return json.dumps({**plan, "memory_budget": section}) + "\n"
-    return _plan.run(base) + budget_text(section, float(budget_flags["step_peak_gib"]))
+    return _plan.run(base) + budget_text(section)
 
 
 def main(argv: Optional[List[str]] = None) -> int:
