@@ -491,6 +491,53 @@ def test_offloaded_outputs_are_bit_identical_in_every_model_family(family):
     handle.disable()
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_resident_layers_offload_saved_storages_bit_identically(family):
+    """Every layer resident, each offloading every other of its own saved storages (dropout
+    on): losses and gradients are bit-identical to full checkpointing, those storages pass
+    through the engine, and the host pool is empty after every step."""
+    layers = 4
+    make_model = functools.partial(tiny_family, family, layers=layers, dropout=0.2)
+    lengths = [32] * STEPS
+    expected = run(checkpointed(make_model()), batches(lengths))
+    model = checkpointed(make_model())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    measured = []
+
+    def plan_then(plan_for):
+        def planned(measurement, tokens, changed):
+            measured.append(measurement)
+            chosen = []
+            for cost in measurement.layers:
+                own = [i for i, size in enumerate(cost.storages) if size > 0]
+                assert len(own) >= 2, (family, cost.storages)
+                chosen.append(frozenset(own[0::2]))
+            return LayerPlan(tokens=tokens, budget_bytes=1 << 40, modes=(RESIDENT,) * layers,
+                             predicted_peak_bytes=0, predicted_seconds_saved=0.0,
+                             checkpointed_peak_bytes=0, resident_offloaded=tuple(chosen))
+        return planned
+
+    handle._budget._plan_for = plan_then(handle._budget._plan_for)
+    moved, offered = [], []
+
+    def after_step():
+        stats = handle.stats()
+        moved.append(stats["offloaded_bytes"])
+        assert stats["host_live_bytes"] == 0
+
+    actual = run(model, batches(lengths), handle, after_step=after_step)
+    assert handle.layer_modes() == [RESIDENT] * layers
+    assert_identical(expected, actual)
+    # From the planned steps on, the chosen storages move (the inputs too where saved).
+    cost = measured[0].layers
+    chosen_bytes = sum(cost[i].storages[o] * 64 for i in range(layers)
+                       for o in range(len(cost[i].storages))
+                       if o in [j for j, size in enumerate(cost[i].storages) if size > 0][0::2])
+    assert chosen_bytes > 0
+    assert all(m >= chosen_bytes for m in moved[MEASURED_STEP:]), (moved, chosen_bytes)
+    handle.disable()
+
+
 @pytest.mark.skipif(LAYER_CALL_IS_CHECKPOINTED,
                     reason="FSDP2's hooks on a layer run inside its checkpoint here: no candidates")
 def test_fsdp2_layers_measure_and_keep_outputs_bit_identically(tmp_path):

@@ -377,6 +377,61 @@ def test_offloading_never_buys_less_and_resident_layers_offload_nothing():
     assert full.count(RESIDENT) == 32 and full.offloaded_output_bytes == 0
 
 
+def with_storages(measured, tokens=TOKENS):
+    """`measured` whose layers name their saved storages: a rotary table other layers save
+    too (0), a 0.5 MiB one (below the engine's min_bytes), then 128 MiB ones and the rest,
+    adding up to the layer's saved bytes."""
+    layer = measured.layers[0]
+    whole = layer.saved_bytes_per_token * tokens
+    sizes = [0.0, 0.5 * MIB] + [128 * MIB] * 17
+    sizes.append(whole - sum(sizes))
+    layer = dataclasses.replace(layer, storages=tuple(size / tokens for size in sizes))
+    return dataclasses.replace(measured, layers=(layer,) * len(measured.layers))
+
+
+@pytest.mark.parametrize("budget_gib", [56, 64, 72, 76, 80])
+def test_resident_layers_offload_their_own_storages_within_their_window(budget_gib):
+    """A resident layer offloads its own saved storages (in save order, each that fits,
+    none below min_bytes, none other layers save too) within the bytes its offloaded
+    outputs would take, and counts only the rest on the device: at the same budget at
+    least as many layers run resident, never over the budget."""
+    plain = llama_8b_offloading()
+    measured = with_storages(plain)
+    budget = budget_gib * GIB
+    before = plan_layers(plain, TOKENS, budget, 0, ENGINE_DEFAULTS)
+    plan = plan_layers(measured, TOKENS, budget, 0, ENGINE_DEFAULTS)
+    assert plan.predicted_peak_bytes <= budget
+    assert plan.count(RESIDENT) >= before.count(RESIDENT)
+    assert plan.predicted_seconds_saved >= before.predicted_seconds_saved
+    assert before.resident_offloaded_bytes == 0  # nothing named, nothing offloaded
+    window = offloaded_candidates(plain.layers[0], TOKENS, ENGINE_DEFAULTS,
+                                  COPY_WINDOW_SHARE)[1] * TOKENS
+    sizes = [size * TOKENS for size in measured.layers[0].storages]
+    total = 0
+    for index, mode in enumerate(plan.modes):
+        ordinals = plan.offloaded_storages(index)
+        if mode != RESIDENT or index >= 32 - ENGINE_DEFAULTS.last_layers_without:
+            assert not ordinals
+            continue
+        assert ordinals and not ordinals & {0, 1}  # never shared, never below min_bytes
+        offloaded = sum(sizes[i] for i in ordinals)
+        assert window - 128 * MIB < offloaded <= window + 64  # first fit, within the window
+        assert ordinals == set(range(2, 2 + len(ordinals)))  # in save order
+        total += offloaded
+    assert plan.resident_offloaded_bytes == pytest.approx(total, abs=64)
+    if plan.resident_offloaded_bytes:
+        assert "of their saved tensors" in plan.describe()
+
+
+def test_resident_layers_offload_more_residents_at_80_gib():
+    """At 80 GiB the memory the resident layers' windows free runs more of them resident."""
+    plain = llama_8b_offloading()
+    before = plan_layers(plain, TOKENS, 80 * GIB, 0, ENGINE_DEFAULTS)
+    plan = plan_layers(with_storages(plain), TOKENS, 80 * GIB, 0, ENGINE_DEFAULTS)
+    assert plan.count(RESIDENT) > before.count(RESIDENT)
+    assert plan.predicted_seconds_saved > before.predicted_seconds_saved
+
+
 @pytest.mark.parametrize("host_share", [0, 0.3, 0.7, 0.95, 2])
 def test_offloaded_outputs_stay_within_the_host_limit(host_share):
     """Inputs and offloaded outputs are in the host pool together at the end of the forward:
@@ -426,6 +481,8 @@ def test_bad_offload_figures_are_refused():
             dataclasses.replace(ENGINE_DEFAULTS, window_share=share)
     with pytest.raises(ValueError, match="LayerCost"):
         LayerCost(1.0, 1.0, (), -1.0)
+    with pytest.raises(ValueError, match="LayerCost"):
+        LayerCost(1.0, 1.0, (), 0.0, (1.0, -1.0))
 
 
 def test_bad_kept_outputs_are_refused():

@@ -10,7 +10,8 @@ Each checkpointed layer runs in one of three modes:
               forward (its *kept outputs*) stay on the device for the recompute, which
               skips those ops and recomputes the rest.
   RESIDENT    not checkpointed: its saved tensors stay on the device from its forward to
-              its backward, and its backward recomputes nothing.
+              its backward (but those it offloads, see "Resident layers"), and its
+              backward recomputes nothing.
 
 A CHECKPOINT or SELECTIVE layer may also offload the outputs of chosen ops (its *offloaded
 outputs*, see "Offloaded outputs") with its input, instead of recomputing them.
@@ -66,7 +67,16 @@ at the end of the forward, beside what the head offloads, and a block the pool r
 windows chose is held to the limit, less the pool's growth margin and the pool's measured
 peak, and the outputs worth most seconds per byte, across layers, are the ones offloaded.
 The budget is then spent from there: a layer's other candidates, then the whole layer
-resident (a resident layer offloads nothing: its saved tensors stay).
+resident.
+
+Resident layers. A resident layer recomputes nothing, so offloading its outputs saves no
+time; its copy window buys memory instead: it offloads its own saved storages (in the order
+its forward saves them, each that fits) within the bytes its offloaded outputs would have
+taken, so the layers in transit and the host pool hold them as planned, and counts only the
+rest on the device. The measured step names them: the storages each layer's recompute
+saves, in order (the same order a resident forward saves them in), those other layers save
+too (rotary tables, masks: offloading them would free nothing) and the layer's parameters
+left out.
 
 Lengths that change. A step whose length differs from the previous step's allocates into
 segments the allocator cut for the other length, and the largest block it asks for (a
@@ -155,10 +165,15 @@ class LayerCost:
     outputs: Tuple[KeptOutput, ...] = ()
     # The bytes of its input that the engine offloads (each layer's group begins with it).
     input_bytes_per_token: float = 0.0
+    # The storages its forward saves, per token, in the order it first saves them (its
+    # parameters left out), 0 for a storage other layers save too (not the layer's own):
+    # what a RESIDENT layer may offload (see "Resident layers"). Empty: not measured.
+    storages: Tuple[float, ...] = ()
 
     def __post_init__(self):
         if (not self.saved_bytes_per_token >= 0 or not self.recompute_seconds_per_token >= 0
-                or not self.input_bytes_per_token >= 0):
+                or not self.input_bytes_per_token >= 0
+                or not all(size >= 0 for size in self.storages)):
             raise ValueError(f"LayerCost: figures must be >= 0, got {self}")
         keys = [output.key for output in self.outputs]
         if len(set(keys)) != len(keys):
@@ -269,6 +284,10 @@ class LayerPlan:
     # The bytes of outputs the copy windows could take but the host limit could not hold
     # (they are recomputed).
     host_limited_bytes: int = 0
+    # Per layer, the storages a RESIDENT layer offloads (ordinals in LayerCost.storages;
+    # empty for the others), and their bytes, all layers together.
+    resident_offloaded: Tuple[FrozenSet[int], ...] = ()
+    resident_offloaded_bytes: int = 0
 
     def count(self, mode: str) -> int:
         return sum(m == mode for m in self.modes)
@@ -280,6 +299,10 @@ class LayerPlan:
     def offloaded(self, index: int) -> FrozenSet[OpKey]:
         """The ops whose outputs layer `index` offloads (empty for a RESIDENT layer)."""
         return self.offloaded_outputs[index] if self.offloaded_outputs else frozenset()
+
+    def offloaded_storages(self, index: int) -> FrozenSet[int]:
+        """The saved storages layer `index` offloads (empty unless it is RESIDENT)."""
+        return self.resident_offloaded[index] if self.resident_offloaded else frozenset()
 
     @property
     def offloading_layers(self) -> int:
@@ -302,6 +325,9 @@ class LayerPlan:
         if self.host_limited_bytes:
             kept += (f" ({self.host_limited_bytes / gib:.2f} GiB more would fit the copy windows "
                      f"but not host_memory_limit)")
+        if self.resident_offloaded_bytes:
+            kept += (f", the layers without checkpointing offloading "
+                     f"{self.resident_offloaded_bytes / gib:.2f} GiB of their saved tensors")
         text = (f"{self.count(RESIDENT)} of {len(self.modes)} layers without checkpointing"
                 f"{kept}, {self.count(CHECKPOINT)} checkpointed; predicted peak "
                 f"{self.predicted_peak_bytes / gib:.2f} GiB of a {self.budget_bytes / gib:.2f} "
@@ -409,6 +435,22 @@ def offloaded_candidates(layer: LayerCost, tokens: int, offload: OutputOffload,
     return frozenset(keys), total_bytes, total_seconds
 
 
+def resident_storages(layer: LayerCost, tokens: int, allowance_per_token: float,
+                      min_bytes: int) -> Tuple[FrozenSet[int], float]:
+    """The storages `layer` offloads as RESIDENT at `tokens` (ordinals in layer.storages)
+    within `allowance_per_token` bytes per token, and their bytes per token: its own ones of
+    at least `min_bytes` (the engine keeps smaller ones), in save order, each that still
+    fits (see "Resident layers")."""
+    chosen: List[int] = []
+    total = 0.0
+    for ordinal, size in enumerate(layer.storages):
+        if size * tokens < max(min_bytes, 1) or total + size > allowance_per_token:
+            continue
+        chosen.append(ordinal)
+        total += size
+    return frozenset(chosen), total
+
+
 def _ranked(outputs) -> List[KeptOutput]:
     """Outputs that save time, most seconds per byte first."""
     return sorted((o for o in outputs if o.seconds_per_token > 0),
@@ -493,7 +535,16 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
         measured, tokens, base, budget_bytes - reserve_bytes, offload)
     layers = [_without(layer, offloaded[i], offloaded_seconds[i])
               for i, layer in enumerate(measured.layers)]
-    steps = [layer_steps(layer) for layer in layers]
+    # What each layer would offload as RESIDENT: its own storages within the bytes its
+    # offloaded outputs take (so the transit and the host pool hold them as they are).
+    allowance = [sum(o.bytes_per_token for o in measured.layers[i].outputs
+                     if o.key in offloaded[i]) for i in range(count)]
+    storages = [resident_storages(measured.layers[i], tokens, allowance[i],
+                                  offload.min_bytes if offload is not None else 0)
+                for i in range(count)]
+    steps = [layer_steps(dataclasses.replace(
+                 layer, saved_bytes_per_token=layer.saved_bytes_per_token - storages[i][1]))
+             for i, layer in enumerate(layers)]
     taken = [0] * count
     stopped = [False] * count
     resident = [False] * count
@@ -530,6 +581,9 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                      for step in steps[i][:taken[i]]) * tokens
     offloaded_outputs = tuple(frozenset() if modes[i] == RESIDENT else offloaded[i]
                               for i in range(count))
+    resident_offloaded = tuple(storages[i][0] if modes[i] == RESIDENT else frozenset()
+                               for i in range(count))
+    resident_bytes = sum(storages[i][1] for i in range(count) if modes[i] == RESIDENT) * tokens
     offloaded_bytes = sum(o.bytes_per_token for i in range(count)
                           for o in measured.layers[i].outputs
                           if o.key in offloaded_outputs[i]) * tokens
@@ -539,7 +593,8 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                      kept_outputs=kept_outputs, kept_output_bytes=int(round(kept_bytes)),
                      offloaded_outputs=offloaded_outputs,
                      offloaded_output_bytes=int(round(offloaded_bytes)),
-                     host_limited_bytes=host_limited)
+                     host_limited_bytes=host_limited, resident_offloaded=resident_offloaded,
+                     resident_offloaded_bytes=int(round(resident_bytes)))
 
 
 def _offloaded_plan(measured: StepMeasurement, tokens: int, base: int, room: int,
@@ -587,6 +642,7 @@ def plan_summary(plan: LayerPlan) -> Dict[str, float]:
         "budget_offloading_layers": plan.offloading_layers,
         "budget_offloaded_output_bytes": plan.offloaded_output_bytes,
         "budget_host_limited_bytes": plan.host_limited_bytes,
+        "budget_resident_offloaded_bytes": plan.resident_offloaded_bytes,
     }
 
 

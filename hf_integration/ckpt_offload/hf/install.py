@@ -730,11 +730,12 @@ class _OffloadingCheckpoint:
         tensors = [a for a in args
                    if isinstance(a, torch.Tensor) and not isinstance(a, nn.Parameter)]
         if budget.mode(layer) == RESIDENT:
-            # The memory budget's plan: this layer's saved tensors stay on the device, and it
-            # is not recomputed (its random ops run once, as checkpointing's replay does). It
-            # is a group all the same (its input is offloaded if saved): the tensors saved
-            # after the last group are the model's head, and a resident layer's are not.
-            with ckpt_offload.mark_checkpoint_inputs(*tensors):
+            # The memory budget's plan: this layer's saved tensors stay on the device, but for
+            # the storages its plan offloads within its copy window, and it is not
+            # recomputed (its random ops run once, as checkpointing's replay does). It is a
+            # group all the same (its input is offloaded if saved): the tensors saved after
+            # the last group are the model's head, and a resident layer's are not.
+            with ckpt_offload.mark_checkpoint_inputs(*tensors), budget.saving_storages(layer):
                 return function(*args)
         kwargs.pop("use_reentrant", None)
         options = {**self.options, **kwargs, "use_reentrant": False}

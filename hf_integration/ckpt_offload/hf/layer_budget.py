@@ -54,6 +54,7 @@ can say what a budget would buy.
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
@@ -85,8 +86,8 @@ STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers"
              "budget_checkpointed_layers", "budget_kept_output_bytes", "budget_tokens",
              "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
              "budget_reserve_bytes", "budget_offloading_layers", "budget_offloaded_output_bytes",
-             "budget_host_limited_bytes", "budget_measured_peak_bytes", "budget_measuring",
-             "budget_copy_bytes_per_second")
+             "budget_host_limited_bytes", "budget_resident_offloaded_bytes",
+             "budget_measured_peak_bytes", "budget_measuring", "budget_copy_bytes_per_second")
 
 # The wall clock of measurements on CPU (tests replace it with a deterministic one).
 _clock = time.perf_counter
@@ -144,6 +145,9 @@ class _LayerProbe:
 
     def __init__(self, cuda: bool):
         self.storages: Dict[int, int] = {}  # StorageImpl address -> bytes
+        # Every storage its latest recompute saved, (address, bytes) in first-save order,
+        # those other layers save too included (they are dropped from `storages`).
+        self.order: Dict[int, int] = {}
         self.input_bytes = 0  # of the tensors its checkpoint offloads (its forward's)
         self.seconds = 0.0
         self.timer = _Timer(cuda)
@@ -439,6 +443,72 @@ def _map_tensors(function: Callable, value, handles: bool = False):
     return tree_map(lambda x: function(x) if isinstance(x, torch.Tensor) else _Plain(x), value)
 
 
+class _StorageSaver:
+    """A RESIDENT layer's forward under a plan that offloads some of its saved storages:
+    autograd's saves go through these hooks, which number the layer's storages in the order
+    it first saves them (its parameters left out, as the measured step numbered them), send
+    those the plan names (`sizes`: ordinal -> the bytes planned) to the engine with the
+    layer's open group, and hand every other save to the hooks below (the engine's own). A
+    storage whose size is not the planned one is not the measured step's: it stays."""
+
+    def __init__(self, engine, layer: nn.Module, sizes: Dict[int, int], say: Callable):
+        self.engine = engine
+        self.layer = layer
+        self.sizes = sizes
+        self.say = say
+        self.ordinals: Dict[int, int] = {}  # StorageImpl address -> ordinal
+        self.offloaded: set = set()  # addresses
+        self.refs: List[Any] = []  # weak references: no address is reused meanwhile
+        self.params: Optional[set] = None
+        self.below = None
+
+    def __enter__(self):
+        self.below = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        if self.below is not None:
+            torch._C._autograd._push_saved_tensors_default_hooks(self.pack, self.unpack)
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        if self.below is not None:
+            torch._C._autograd._pop_saved_tensors_default_hooks()
+        return False
+
+    def pack(self, tensor):
+        if self.params is None:
+            self.params = _parameter_addresses(self.layer)
+        storage = tensor.untyped_storage()
+        if _has_data(storage) and storage.data_ptr() not in self.params:
+            key = storage._cdata
+            if key not in self.ordinals:
+                ordinal = self.ordinals[key] = len(self.ordinals)
+                self.refs.append(StorageWeakRef(storage))
+                planned = self.sizes.get(ordinal)
+                if planned is not None and planned == storage.nbytes():
+                    self.offloaded.add(key)
+                elif planned is not None:
+                    self.say("storage_mismatch", "ckpt_offload.hf: a layer without "
+                             "checkpointing saved a storage of %d bytes where the measured "
+                             "step's had %d; it stays on the device", storage.nbytes(),
+                             planned)
+            if key in self.offloaded:
+                return _Offloaded(self.engine.save_into_group(tensor))
+        return self.below[0](tensor)
+
+    def unpack(self, packed):
+        if isinstance(packed, _Offloaded):
+            return self.engine.restore(packed.handle)
+        return self.below[1](packed)
+
+
+class _Offloaded:
+    """What _StorageSaver's pack returns for a storage it sent to the engine."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle):
+        self.handle = handle
+
+
 class _Plain:
     """A saved output leaf that is no tensor (a size, None): returned as it was."""
 
@@ -538,6 +608,22 @@ class LayerBudget:
             return frozenset()
         return self.plan.offloaded(index)
 
+    def saving_storages(self, layer: Optional[nn.Module]):
+        """A context for a RESIDENT `layer`'s forward in the running step: the saved
+        storages its plan offloads go to the engine with its group (nothing to do for the
+        others)."""
+        index = self.layer_index.get(layer) if layer is not None else None
+        if self.plan is None or index is None or not self.plan.offloaded_storages(index):
+            return contextlib.nullcontext()
+        cost = self._plan_measurement(self.plan).layers[index]
+        sizes = {ordinal: int(round(cost.storages[ordinal] * self.plan.tokens))
+                 for ordinal in self.plan.offloaded_storages(index)}
+        return _StorageSaver(self.handle.engine, layer, sizes, self._say)
+
+    def _plan_measurement(self, plan: LayerPlan) -> StepMeasurement:
+        """The measurement `plan` was made from (the shortest measured step that covers it)."""
+        return self.measurements[min(t for t in self.measurements if t >= plan.tokens)]
+
     def offloads_outputs(self) -> bool:
         """Whether the running step's plan offloads op outputs in any layer."""
         return self.plan is not None and self.plan.offloading_layers > 0
@@ -568,6 +654,7 @@ class LayerBudget:
                 return function(*args, **kwargs)
             pack, unpack = top
             params = None
+            probe.order = {}  # the latest recompute's
 
             def counting_pack(tensor):
                 nonlocal params
@@ -599,6 +686,7 @@ class LayerBudget:
 
     def _note_storage(self, layer: nn.Module, probe: _LayerProbe, storage) -> None:
         key = storage._cdata
+        probe.order.setdefault(key, storage.nbytes())
         seen = self._seen.get(key)
         if seen is None:
             # The weak reference keeps the address from being reused until the measurement ends.
@@ -626,10 +714,13 @@ class LayerBudget:
                 layers.append(LayerCost(0.0, 0.0))
                 continue
             probe.settle()
-            layers.append(LayerCost(sum(probe.storages.values()) / self._measured_tokens,
-                                    probe.seconds / self._measured_tokens,
-                                    probe.outputs(self._measured_tokens),
-                                    probe.input_bytes / self._measured_tokens))
+            tokens = self._measured_tokens
+            layers.append(LayerCost(
+                sum(probe.storages.values()) / tokens, probe.seconds / tokens,
+                probe.outputs(tokens), probe.input_bytes / tokens,
+                # Storages other layers save too count 0: a resident layer keeps them.
+                tuple(size / tokens if key in probe.storages else 0.0
+                      for key, size in probe.order.items())))
         self._seen = {}
         if not any(cost.recompute_seconds_per_token > 0 for cost in layers):
             return  # no recompute ran (the step saw no backward): a later step measures
