@@ -163,15 +163,17 @@ class OffloadEngine:
             state.group_open = False
             self._offloader.end_group()
 
-    def save_into_group(self, tensor: torch.Tensor):
-        """Saves `tensor`, an op output that the open checkpoint group's recompute will skip,
-        with that group: offloaded and brought back with the group's inputs. Returns a
-        handle for restore(). Outside a group (or without an offloader) the handle keeps the
-        tensor where it is. restore() raises autograd's in-place error when the tensor was
-        modified after it was saved."""
+    def save_into_group(self, tensor: torch.Tensor, keep_restore: bool = False):
+        """Saves `tensor`, an op output that the open checkpoint group's recompute will skip
+        (or a tensor saved by a layer run without checkpointing), with that group: offloaded
+        and brought back with the group's inputs. Returns a handle for restore(). Outside a
+        group (or without an offloader) the handle keeps the tensor where it is. restore()
+        raises autograd's in-place error when the tensor was modified after it was saved.
+        `keep_restore`: the storage, once restored, stays until the last handle to it dies
+        (for a storage restored once per use, as autograd's saved tensors are)."""
         if self._offloader is None:
             return self.keep_here(tensor)
-        return self._offloader.pack_into_group(tensor)
+        return self._offloader.pack_into_group(tensor, keep_restore)
 
     @staticmethod
     def keep_here(tensor: torch.Tensor):

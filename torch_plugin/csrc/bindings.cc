@@ -199,14 +199,14 @@ PYBIND11_MODULE(_C, m) {
           py::arg("tensor"))
       .def(
           "pack_into_group",
-          [](TensorOffloader& self, const at::Tensor& tensor) -> py::object {
+          [](TensorOffloader& self, const at::Tensor& tensor, bool keep_restore) -> py::object {
             return WithPythonWarnings([&]() -> py::object {
-              SavedTensor saved = self.PackIntoGroup(tensor);
+              SavedTensor saved = self.PackIntoGroup(tensor, keep_restore);
               if (saved.packed) return py::cast(std::move(saved.packed));
               return py::cast(std::move(saved.kept));
             });
           },
-          py::arg("tensor"))
+          py::arg("tensor"), py::arg("keep_restore") = false)
       .def(
           "unpack",
           [](TensorOffloader& self, py::object obj) -> py::object {

@@ -128,6 +128,12 @@ std::shared_ptr<OffloadedStorage> OffloadedStorage::HeadCandidate(
 
 OffloadedStorage::~OffloadedStorage() { owner_->Discard(entry_, key_); }
 
+void OffloadedStorage::KeepRestore() {
+  MutexLock lock(&mu_);
+  keep_restore_ = true;
+  if (auto restored = restored_.lock()) kept_restore_ = c10::Storage(std::move(restored));
+}
+
 c10::Storage OffloadedStorage::Restore(int64_t* span_begin_bytes) {
   MutexLock lock(&mu_);
   if (auto restored = restored_.lock()) {
@@ -379,7 +385,7 @@ SavedTensor TensorOffloader::Pack(const at::Tensor& tensor) {
   return {MakePacked(tensor, begin, std::move(holder)), nullptr};
 }
 
-SavedTensor TensorOffloader::PackIntoGroup(const at::Tensor& tensor) {
+SavedTensor TensorOffloader::PackIntoGroup(const at::Tensor& tensor, bool keep_restore) {
   if (torch::autograd::get_current_graph_task_id() != -1) {
     packed_.fetch_add(1, std::memory_order_relaxed);
     return Skip(tensor);
@@ -391,11 +397,27 @@ SavedTensor TensorOffloader::PackIntoGroup(const at::Tensor& tensor) {
       return Skip(tensor);
     }
   }
+  // Marked for this Pack only (the group's inputs stay marked): once the tensor dies, a
+  // later tensor at its address must not pass for a marked one.
+  const c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  bool marked_here = false;
   {
     MutexLock lock(&tensors_mu_);
-    marked_.insert(tensor.unsafeGetTensorImpl());
+    marked_here = marked_.insert(impl).second;
   }
-  return Pack(tensor);
+  struct Unmark {
+    TensorOffloader* self;
+    const c10::TensorImpl* impl;
+    bool active;
+    ~Unmark() {
+      if (!active) return;
+      MutexLock lock(&self->tensors_mu_);
+      self->marked_.erase(impl);
+    }
+  } unmark{this, impl, marked_here};
+  SavedTensor saved = Pack(tensor);
+  if (keep_restore && saved.packed) saved.packed->storage->KeepRestore();
+  return saved;
 }
 
 c10::Storage TensorOffloader::AcquireStorage(EntryId entry, const at::Device& device,

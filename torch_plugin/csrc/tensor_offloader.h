@@ -147,6 +147,9 @@ class OffloadedStorage {
   // `span_begin_bytes` tells where the span starts inside it.
   c10::Storage Restore(int64_t* span_begin_bytes) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // From now on a restore stays until this storage's last handle dies (see keep_restore_).
+  void KeepRestore() ABSL_LOCKS_EXCLUDED(mu_);
+
   // Whether [begin, end) of the source storage lies within this span.
   bool Covers(int64_t begin, int64_t end) const {
     return begin >= span_begin_bytes_ && end <= span_end_bytes_;
@@ -170,7 +173,8 @@ class OffloadedStorage {
   c10::Storage held_ ABSL_GUARDED_BY(mu_);
   // Head tensors are often saved twice (an RMSNorm's float32 input, by pow and by mul),
   // and the first use's restore is gone before the second use: a head storage keeps its
-  // restore until its last saved-tensor handle dies, as the tensor itself would live.
+  // restore until its last saved-tensor handle dies, as the tensor itself would live. So
+  // does a storage packed into a group with keep_restore.
   bool keep_restore_ ABSL_GUARDED_BY(mu_) = false;
   c10::Storage kept_restore_ ABSL_GUARDED_BY(mu_);
 };
@@ -237,10 +241,14 @@ class TensorOffloader : public std::enable_shared_from_this<TensorOffloader>,
   // when the tensor was modified since Pack.
   SavedTensor Pack(const at::Tensor& tensor) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   // Pack for a tensor the caller saves itself into the open checkpoint group (an op output
-  // that a layer's recompute will skip): offloaded with the group's inputs, brought back
-  // with them, and restored by Unpack. Outside a group, or while a backward runs, it is
-  // kept where it is, as Pack keeps what it does not move.
-  SavedTensor PackIntoGroup(const at::Tensor& tensor) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
+  // that a layer's recompute will skip, a saved tensor of a layer run without
+  // checkpointing): offloaded with the group's inputs, brought back with them, and restored
+  // by Unpack. Outside a group, or while a backward runs, it is kept where it is, as Pack
+  // keeps what it does not move. `keep_restore`: its storage's restore stays until the
+  // last handle to it dies (autograd unpacks a storage saved by several nodes once per
+  // node, and each would otherwise restore it again).
+  SavedTensor PackIntoGroup(const at::Tensor& tensor, bool keep_restore = false)
+      ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   at::Tensor Unpack(const PackedTensor& packed) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
   at::Tensor UnpackKept(const KeptTensor& kept) ABSL_LOCKS_EXCLUDED(engine_mu_, tensors_mu_);
 
