@@ -522,11 +522,18 @@ def test_resident_layers_offload_saved_storages_bit_identically(family):
 
     def after_step():
         stats = handle.stats()
-        moved.append(stats["offloaded_bytes"])
+        moved.append(stats["offloaded_bytes"])  # the head's are counted apart
+        offered.append((stats["offloaded_tensors"], stats["restored_tensors"],
+                        stats["prefetched_tensors"]))
         assert stats["host_live_bytes"] == 0
 
     actual = run(model, batches(lengths), handle, after_step=after_step)
     assert handle.layer_modes() == [RESIDENT] * layers
+    # Every layer's offloaded storage came back once, prefetched: each resident layer's
+    # first restore starts the layer below's (with prefetch deferred nothing else would),
+    # and a storage several nodes saved keeps its restore for all of them.
+    assert all(restored == prefetched == entries > 0
+               for entries, restored, prefetched in offered[MEASURED_STEP:]), offered
     assert_identical(expected, actual)
     # From the planned steps on, the chosen storages move (the inputs too where saved).
     cost = measured[0].layers

@@ -449,7 +449,12 @@ class _StorageSaver:
     it first saves them (its parameters left out, as the measured step numbered them), send
     those the plan names (`sizes`: ordinal -> the bytes planned) to the engine with the
     layer's open group, and hand every other save to the hooks below (the engine's own). A
-    storage whose size is not the planned one is not the measured step's: it stays."""
+    storage whose size is not the planned one is not the measured step's: it stays.
+
+    In backward, the layer's first restore prefetches the groups below it: with prefetch
+    deferred (the default), nothing else would, as a resident layer has no recompute to
+    start them from. Its storages are its earliest saved, so that restore comes late in its
+    backward and the prefetch leads the layer below by about one layer's backward."""
 
     def __init__(self, engine, layer: nn.Module, sizes: Dict[int, int], say: Callable):
         self.engine = engine
@@ -461,6 +466,7 @@ class _StorageSaver:
         self.refs: List[Any] = []  # weak references: no address is reused meanwhile
         self.params: Optional[set] = None
         self.below = None
+        self.prefetched = False
 
     def __enter__(self):
         self.below = torch._C._autograd._top_saved_tensors_default_hooks(True)
@@ -491,13 +497,18 @@ class _StorageSaver:
                              "step's had %d; it stays on the device", storage.nbytes(),
                              planned)
             if key in self.offloaded:
-                return _Offloaded(self.engine.save_into_group(tensor))
+                # Restored once per storage: several nodes may save it, each unpacking it.
+                return _Offloaded(self.engine.save_into_group(tensor, keep_restore=True))
         return self.below[0](tensor)
 
     def unpack(self, packed):
-        if isinstance(packed, _Offloaded):
-            return self.engine.restore(packed.handle)
-        return self.below[1](packed)
+        if not isinstance(packed, _Offloaded):
+            return self.below[1](packed)
+        tensor = self.engine.restore(packed.handle)
+        if not self.prefetched:
+            self.prefetched = True
+            self.engine.prefetch_ahead()
+        return tensor
 
 
 class _Offloaded:
