@@ -329,6 +329,20 @@ def test_offloaded_outputs_stay_within_the_host_memory_limit():
     assert "3.90 GiB more fit the windows but not the host limit" in text
 
 
+def test_resident_layers_offload_saved_tensors_in_the_planner():
+    """The planner's layers name their saved storages (the shape's op outputs, then the
+    rest): at 80 GiB resident layers offload some within the bytes their offloaded outputs
+    would take; layers that keep no outputs (compiled ones) plan no window, so none."""
+    args = ("--memory_budget=auto", "--device_gib=80")
+    section = budget_figures(*args)
+    assert section["resident_offloaded_bytes"] > 0
+    one_piece = budget_figures(*args, "--kept_gib=0", "--kept_ms=0")
+    assert one_piece["resident_offloaded_bytes"] == 0  # nothing is offloaded without outputs
+    text = run("--preset=llama-8b", "--seq=8192", "--step_peak_gib=27.5", "--layer_gib=2.25",
+               "--layer_ms=12.1", *args).stdout
+    assert "resident layers' offloads" in text
+
+
 def test_stranded_pieces_count_in_the_checkpointed_peak():
     """--stranded_gib (the measured step's free pieces as its head began) is reserved memory
     the plan counts: the checkpointed peak and every prediction rise by it, and a budget

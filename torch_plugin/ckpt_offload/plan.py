@@ -263,9 +263,15 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
     measured = uniform_measurement(
         plan["layers"], tokens, layer_gib * GIB / tokens, layer_ms / 1e3 / tokens,
         peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0, outputs=outputs)
-    # The layer's input is what the engine offloads of it (the planner's bytes per layer).
+    # The layer's input is what the engine offloads of it (the planner's bytes per layer);
+    # its saved storages, for a resident layer's offloads, are estimated as its projections'
+    # and attention's outputs, then the rest in one piece (run time measures them).
+    pieces = [o.bytes_per_token for o in shape_outputs(plan, layer_ms / 1e3)]
+    whole = layer_gib * GIB / tokens
+    pieces = pieces if sum(pieces) < whole else []
     layer = dataclasses.replace(measured.layers[0],
-                                input_bytes_per_token=plan["bytes_per_layer"] / tokens)
+                                input_bytes_per_token=plan["bytes_per_layer"] / tokens,
+                                storages=tuple(pieces) + (whole - sum(pieces),))
     measured = dataclasses.replace(measured, layers=(layer,) * plan["layers"],
                                    stranded_bytes=int(stranded_gib * GIB))
     offload = OutputOffload.for_engine(
@@ -283,6 +289,7 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
         "kept_output_bytes": layer_plan.kept_output_bytes,
         "offloading_layers": layer_plan.offloading_layers,
         "offloaded_output_bytes": layer_plan.offloaded_output_bytes,
+        "resident_offloaded_bytes": layer_plan.resident_offloaded_bytes,
         "host_limited_bytes": layer_plan.host_limited_bytes,
         "predicted_peak_bytes": layer_plan.predicted_peak_bytes,
         "checkpointed_peak_bytes": layer_plan.checkpointed_peak_bytes,
@@ -312,6 +319,8 @@ def budget_text(section: Dict) -> str:
         f"  offloaded outputs             {section['offloading_layers']} layers offload "
         f"{section['offloaded_output_bytes'] / GIB:.2f} GiB of op outputs with their inputs "
         f"(within each layer's copy window{held_back})",
+        f"  resident layers' offloads     "
+        f"{section['resident_offloaded_bytes'] / GIB:.2f} GiB of their saved tensors",
         f"  predicted peak                {section['predicted_peak_bytes'] / GIB:.2f} GiB "
         f"(checkpointed step {section['checkpointed_peak_bytes'] / GIB:.2f} GiB)",
         f"  predicted step                {section['predicted_step_ms']:.1f} ms "
