@@ -70,13 +70,17 @@ The budget is then spent from there: a layer's other candidates, then the whole 
 resident.
 
 Resident layers. A resident layer recomputes nothing, so offloading its outputs saves no
-time; its copy window buys memory instead: it offloads its own saved storages (in the order
-its forward saves them, each that fits) within the bytes its offloaded outputs would have
-taken, so the layers in transit and the host pool hold them as planned, and counts only the
-rest on the device. The measured step names them: the storages each layer's recompute
-saves, in order (the same order a resident forward saves them in), those other layers save
-too (rotary tables, masks: offloading them would free nothing) and the layer's parameters
-left out.
+time; its copy window buys memory instead: it offloads its own saved storages within the
+bytes its offloaded outputs would have taken, so the layers in transit and the host pool
+hold them as planned, and counts only the rest on the device. It takes the last saved
+first (each that fits): backward uses them first, so the layer's first restore, which
+prefetches the layer below, comes early in its backward. Taken first-saved first, that
+restore came late, and a checkpointed layer below an offloading resident one waited for
+its input (H100, 8B: 4.3 ms exposed at s8k, 16.4 ms at s16k, where s16k ran 0.7 % slower
+than with resident layers offloading nothing). The measured step names them: the storages
+each layer's recompute saves, in order (the same order a resident forward saves them in),
+those other layers save too (rotary tables, masks: offloading them would free nothing) and
+the layer's parameters left out.
 
 Lengths that change. A step whose length differs from the previous step's allocates into
 segments the allocator cut for the other length, and the largest block it asks for (a
@@ -439,11 +443,11 @@ def resident_storages(layer: LayerCost, tokens: int, allowance_per_token: float,
                       min_bytes: int) -> Tuple[FrozenSet[int], float]:
     """The storages `layer` offloads as RESIDENT at `tokens` (ordinals in layer.storages)
     within `allowance_per_token` bytes per token, and their bytes per token: its own ones of
-    at least `min_bytes` (the engine keeps smaller ones), in save order, each that still
-    fits (see "Resident layers")."""
+    at least `min_bytes` (the engine keeps smaller ones), the last saved first, each that
+    still fits (see "Resident layers")."""
     chosen: List[int] = []
     total = 0.0
-    for ordinal, size in enumerate(layer.storages):
+    for ordinal, size in reversed(list(enumerate(layer.storages))):
         if size * tokens < max(min_bytes, 1) or total + size > allowance_per_token:
             continue
         chosen.append(ordinal)

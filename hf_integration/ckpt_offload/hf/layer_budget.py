@@ -453,8 +453,8 @@ class _StorageSaver:
 
     In backward, the layer's first restore prefetches the groups below it: with prefetch
     deferred (the default), nothing else would, as a resident layer has no recompute to
-    start them from. Its storages are its earliest saved, so that restore comes late in its
-    backward and the prefetch leads the layer below by about one layer's backward."""
+    start them from. The plan takes its last saved storages, which backward uses first, so
+    that restore comes early in its backward."""
 
     def __init__(self, engine, layer: nn.Module, sizes: Dict[int, int], say: Callable):
         self.engine = engine
