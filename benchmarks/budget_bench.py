@@ -15,6 +15,8 @@ LoRA model over one shared base:
 - budget_keep: the same budget with no op outputs offloaded (kept on the device only);
 - budget@S (e.g. budget@0.95): the budget with each layer's copy window at share S of its
   forward (ckpt_offload.budget.COPY_WINDOW_SHARE otherwise);
+- budget_res: the budget with resident layers offloading saved storages (see
+  ckpt_offload.budget, "Resident layers"; off by default);
 - none: no checkpointing, where it fits;
 - every_n: transformers' every_n_layers at the largest N (fewest layers checkpointed) of
   2, 3, 4, 6, 8, 16, 32 whose step fits, found before the timed rounds.
@@ -124,10 +126,12 @@ def make_modes(names, base, budget="auto") -> List[Mode]:
         model = lora_model(base)
         if name == "ckpt_offload":
             modes.append(Mode(name, model, enable_activation_offload(model)))
-        elif name in ("budget", "budget_keep") or name.startswith("budget@"):
+        elif name in ("budget", "budget_keep", "budget_res") or name.startswith("budget@"):
             handle = enable_activation_offload(model, memory_budget=budget)
             if name == "budget_keep":
                 handle._budget.copy_bytes_per_second = 0
+            elif name == "budget_res":
+                handle._budget.resident_storage_offload = True
             elif "@" in name:
                 handle._budget.copy_window_share = float(name.partition("@")[2])
             modes.append(Mode(name, model, handle))

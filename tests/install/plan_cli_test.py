@@ -329,11 +329,16 @@ def test_offloaded_outputs_stay_within_the_host_memory_limit():
     assert "3.90 GiB more fit the windows but not the host limit" in text
 
 
-def test_resident_layers_offload_saved_tensors_in_the_planner():
+def test_resident_layers_offload_saved_tensors_in_the_planner(monkeypatch):
     """The planner's layers name their saved storages (the shape's op outputs, then the
-    rest): at 80 GiB resident layers offload some within the bytes their offloaded outputs
-    would take; layers that keep no outputs (compiled ones) plan no window, so none."""
+    rest): with resident layers' offloads on, at 80 GiB resident layers offload some within
+    the bytes their offloaded outputs would take; layers that keep no outputs (compiled
+    ones) plan no window, so none; off (the default), none."""
+    from ckpt_offload import budget
+
     args = ("--memory_budget=auto", "--device_gib=80")
+    assert budget_figures(*args)["resident_offloaded_bytes"] == 0
+    monkeypatch.setattr(budget, "RESIDENT_STORAGE_OFFLOAD", True)
     section = budget_figures(*args)
     assert section["resident_offloaded_bytes"] > 0
     one_piece = budget_figures(*args, "--kept_gib=0", "--kept_ms=0")

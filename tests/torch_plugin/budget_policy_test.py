@@ -377,6 +377,9 @@ def test_offloading_never_buys_less_and_resident_layers_offload_nothing():
     assert full.count(RESIDENT) == 32 and full.offloaded_output_bytes == 0
 
 
+RESIDENT_STORAGES = dataclasses.replace(ENGINE_DEFAULTS, resident_storages=True)
+
+
 def with_storages(measured, tokens=TOKENS):
     """`measured` whose layers name their saved storages: a rotary table other layers save
     too (0), a 0.5 MiB one (below the engine's min_bytes), then 128 MiB ones and the rest,
@@ -398,8 +401,10 @@ def test_resident_layers_offload_their_own_storages_within_their_window(budget_g
     plain = llama_8b_offloading()
     measured = with_storages(plain)
     budget = budget_gib * GIB
-    before = plan_layers(plain, TOKENS, budget, 0, ENGINE_DEFAULTS)
-    plan = plan_layers(measured, TOKENS, budget, 0, ENGINE_DEFAULTS)
+    before = plan_layers(plain, TOKENS, budget, 0, RESIDENT_STORAGES)
+    plan = plan_layers(measured, TOKENS, budget, 0, RESIDENT_STORAGES)
+    # Off (the default), the same measurement offloads no resident layer's storages.
+    assert plan_layers(measured, TOKENS, budget, 0, ENGINE_DEFAULTS).resident_offloaded_bytes == 0
     assert plan.predicted_peak_bytes <= budget
     assert plan.count(RESIDENT) >= before.count(RESIDENT)
     assert plan.predicted_seconds_saved >= before.predicted_seconds_saved
@@ -426,8 +431,8 @@ def test_resident_layers_offload_their_own_storages_within_their_window(budget_g
 def test_resident_layers_offload_more_residents_at_80_gib():
     """At 80 GiB the memory the resident layers' windows free runs more of them resident."""
     plain = llama_8b_offloading()
-    before = plan_layers(plain, TOKENS, 80 * GIB, 0, ENGINE_DEFAULTS)
-    plan = plan_layers(with_storages(plain), TOKENS, 80 * GIB, 0, ENGINE_DEFAULTS)
+    before = plan_layers(plain, TOKENS, 80 * GIB, 0, RESIDENT_STORAGES)
+    plan = plan_layers(with_storages(plain), TOKENS, 80 * GIB, 0, RESIDENT_STORAGES)
     assert plan.count(RESIDENT) > before.count(RESIDENT)
     assert plan.predicted_seconds_saved > before.predicted_seconds_saved
 

@@ -555,6 +555,8 @@ class LayerBudget:
         # forward their copies may take.
         self.copy_bytes_per_second: Optional[float] = None
         self.copy_window_share = policy.COPY_WINDOW_SHARE
+        # Whether resident layers offload saved storages (None: the policy's default).
+        self.resident_storage_offload: Optional[bool] = None
         self.planned_copy_bytes_per_second = 0.0  # the rate the latest plan used
         self._probes: Optional[Dict[nn.Module, _LayerProbe]] = None
         self._seen: Dict[int, Any] = {}  # address -> (weak ref, first layer) in the measured step
@@ -793,7 +795,8 @@ class LayerBudget:
         config = engine.config
         return OutputOffload.for_engine(
             rate, config.keep_last, config.prefetch_depth, config.max_inflight_d2h_groups,
-            config.min_offload_bytes, config.host_memory_limit_bytes(), self.copy_window_share)
+            config.min_offload_bytes, config.host_memory_limit_bytes(), self.copy_window_share,
+            self.resident_storage_offload)
 
     def _copy_rate(self) -> float:
         """The copy rate offloaded outputs are planned with: the one set, else on CUDA the
