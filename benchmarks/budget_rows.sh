@@ -10,6 +10,8 @@
 #          38 GiB at s8k, 75 GiB at s16k (at 28 GiB, s8k, ckpt_offload alone runs out)
 #   shares copy-window shares side by side (budget@S) at today's memory (29) and 40 GiB, s8k;
 #          the GPU budget tests and the doctor's copy figures
+#   res    resident layers offloading saved storages (budget_res) beside the default budget:
+#          the whole card at s8k and 80 GiB at s16k
 set -u
 part=$1
 export PYTHONUNBUFFERED=1
@@ -57,5 +59,11 @@ case $part in
     (cd "$tests" && timeout 120 python3 -m pytest -q -s -p no:cacheprovider \
       gpu/budget_gpu_test.py "gpu/torch_gpu_test.py::test_doctor_reports_the_engines_own_pinning_and_the_copies") \
       > "$OUT/pytest.log" 2>&1 ;;
+  res)
+    timeout 160 python3 "$bench" --configs llama3-8b:8192:full --modes ckpt,budget,budget_res \
+      --rounds 3 --empty-cache --out "$OUT/res_8k" > "$OUT/res_8k.log" 2>&1
+    timeout 260 python3 "$bench" --configs llama3-8b:16384:80 --modes ckpt,budget,budget_res \
+      --rounds 2 --empty-cache --out "$OUT/res_16k" > "$OUT/res_16k.log" 2>&1
+    rm -f "$OUT"/res_*/budget_bench.md ;;
 esac
 echo "part $part done"
