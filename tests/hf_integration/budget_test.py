@@ -5,6 +5,7 @@ predicted peak that bounds the measured one.
 Times are read from a clock that ticks once per reading (the `ticking_clock` fixture), so
 that every run of a test measures the same figures and plans alike."""
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -488,6 +489,39 @@ def test_offloaded_outputs_are_bit_identical_in_every_model_family(family):
     # From the planned steps on, each layer's offloaded outputs move with its input.
     offloaded_count = sum(len(keys) for keys in offloaded)
     assert all(m >= moved[0] + offloaded_count for m in moved[MEASURED_STEP:]), moved
+    handle.disable()
+
+
+def test_a_budget_with_resident_storage_offloads_plans_and_runs_them():
+    """With resident layers' storage offloads turned on, a budget where they buy more
+    resident layers plans them from the measured storages and runs them: bit-identical,
+    the planned storages move, the measured peak within the prediction, the pool empty."""
+    lengths = [32] * STEPS
+    make_model = functools.partial(llama, vocab=4096)
+    measured = measurement_of(make_model, lengths)
+    offload_on = OutputOffload.for_engine(budget_policy.HOST_COPY_BYTES_PER_SECOND, 1, 1, 2, 0,
+                                          resident_storages=True)
+    layer = measured.layers[0].saved_bytes_per_token * 64
+    budget = next(b for b in (int(checkpointed_peak(measured, 64) + k * layer / 4)
+                              for k in range(40))
+                  if plan_layers(measured, 64, b, 0, offload_on).resident_offloaded_bytes)
+    planned = plan_layers(measured, 64, budget, 0, offload_on)
+    off = dataclasses.replace(offload_on, resident_storages=False)
+    assert planned.count(RESIDENT) > plan_layers(measured, 64, budget, 0, off).count(RESIDENT)
+    expected = run(checkpointed(make_model()), batches(lengths))
+    model = checkpointed(make_model())
+    handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    handle._budget.resident_storage_offload = True
+    plan_from(handle, measured)
+    actual, steps = metered_run(model, handle, batches(lengths),
+                                lambda step: step > MEASURED_STEP)
+    for step, (stats, peak) in enumerate(steps[MEASURED_STEP:], start=MEASURED_STEP + 1):
+        assert stats["budget_resident_offloaded_bytes"] == planned.resident_offloaded_bytes
+        assert stats["budget_resident_layers"] == planned.count(RESIDENT)
+        assert stats["offloaded_bytes"] >= planned.resident_offloaded_bytes  # as forward ends
+        assert peak <= stats["budget_predicted_peak_bytes"], step
+    assert_identical(expected, actual)
+    assert handle.stats()["host_live_bytes"] == 0
     handle.disable()
 
 
