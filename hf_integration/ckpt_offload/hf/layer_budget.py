@@ -224,6 +224,27 @@ def _parameter_addresses(layer: nn.Module) -> set:
     return {s.data_ptr() for s in storages if _has_data(s)}
 
 
+class _LayerStorages:
+    """Which saved storages count as a layer's: those with an address (a wrapper subclass's,
+    a DTensor's, has none) that hold none of its parameters. The measured step and a
+    resident layer's forward both number storages by this rule, so their ordinals agree.
+    The parameters are read at the first save, inside the layer's forward: by then a
+    sharding wrapper's hooks have put the gathered weights in place."""
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+        self._params: Optional[set] = None
+
+    def of(self, tensor: torch.Tensor):
+        """`tensor`'s storage if it counts as the layer's, else None."""
+        if self._params is None:
+            self._params = _parameter_addresses(self.layer)
+        storage = tensor.untyped_storage()
+        if _has_data(storage) and storage.data_ptr() not in self._params:
+            return storage
+        return None
+
+
 def _runs_compiled_code(layer: nn.Module) -> bool:
     """Whether `layer`, or a part of it, is a compiled region."""
     return any(getattr(m, "_compiled_call_impl", None) is not None for m in layer.modules())
@@ -446,7 +467,7 @@ def _map_tensors(function: Callable, value, handles: bool = False):
 class _StorageSaver:
     """A RESIDENT layer's forward under a plan that offloads some of its saved storages:
     autograd's saves go through these hooks, which number the layer's storages in the order
-    it first saves them (its parameters left out, as the measured step numbered them), send
+    it first saves them (by _LayerStorages, as the measured step numbered them), send
     those the plan names (`sizes`: ordinal -> the bytes planned) to the engine with the
     layer's open group, and hand every other save to the hooks below (the engine's own). A
     storage whose size is not the planned one is not the measured step's: it stays.
@@ -458,13 +479,12 @@ class _StorageSaver:
 
     def __init__(self, engine, layer: nn.Module, sizes: Dict[int, int], say: Callable):
         self.engine = engine
-        self.layer = layer
+        self.own = _LayerStorages(layer)
         self.sizes = sizes
         self.say = say
         self.ordinals: Dict[int, int] = {}  # StorageImpl address -> ordinal
         self.offloaded: set = set()  # addresses
         self.refs: List[Any] = []  # weak references: no address is reused meanwhile
-        self.params: Optional[set] = None
         self.below = None
         self.prefetched = False
 
@@ -480,10 +500,8 @@ class _StorageSaver:
         return False
 
     def pack(self, tensor):
-        if self.params is None:
-            self.params = _parameter_addresses(self.layer)
-        storage = tensor.untyped_storage()
-        if _has_data(storage) and storage.data_ptr() not in self.params:
+        storage = self.own.of(tensor)
+        if storage is not None:
             key = storage._cdata
             if key not in self.ordinals:
                 ordinal = self.ordinals[key] = len(self.ordinals)
@@ -590,14 +608,13 @@ class LayerBudget:
             if not self.measurements:
                 self._start_measurement(micro_step, tokens)
             return
-        covering = [t for t in self.measurements if t >= tokens]
-        if not covering:
+        covering = self._covering(tokens)
+        if covering is None:
             self._start_measurement(micro_step, tokens)
             return
         plan = self._plans.get((tokens, changed))
         if plan is None:
-            plan = self._plans[(tokens, changed)] = self._plan_for(
-                self.measurements[min(covering)], tokens, changed)
+            plan = self._plans[(tokens, changed)] = self._plan_for(covering, tokens, changed)
         self.plan = self.latest_plan = plan
 
     def mode(self, layer: Optional[nn.Module]) -> str:
@@ -628,14 +645,16 @@ class LayerBudget:
         index = self.layer_index.get(layer) if layer is not None else None
         if self.plan is None or index is None or not self.plan.offloaded_storages(index):
             return contextlib.nullcontext()
-        cost = self._plan_measurement(self.plan).layers[index]
+        cost = self._covering(self.plan.tokens).layers[index]  # the plan's measurement
         sizes = {ordinal: int(round(cost.storages[ordinal] * self.plan.tokens))
                  for ordinal in self.plan.offloaded_storages(index)}
         return _StorageSaver(self.handle.engine, layer, sizes, self._say)
 
-    def _plan_measurement(self, plan: LayerPlan) -> StepMeasurement:
-        """The measurement `plan` was made from (the shortest measured step that covers it)."""
-        return self.measurements[min(t for t in self.measurements if t >= plan.tokens)]
+    def _covering(self, tokens: int) -> Optional[StepMeasurement]:
+        """The shortest measured step of at least `tokens` (what a step of `tokens` is
+        planned from), or None."""
+        covering = [t for t in self.measurements if t >= tokens]
+        return self.measurements[min(covering)] if covering else None
 
     def offloads_outputs(self) -> bool:
         """Whether the running step's plan offloads op outputs in any layer."""
@@ -666,18 +685,12 @@ class LayerBudget:
             if top is None:
                 return function(*args, **kwargs)
             pack, unpack = top
-            params = None
+            own = _LayerStorages(layer)
             probe.order = {}  # the latest recompute's
 
             def counting_pack(tensor):
-                nonlocal params
-                if params is None:
-                    # Read at the first save, inside the layer's forward: by then a sharding
-                    # wrapper's hooks have put the gathered weights in place.
-                    params = _parameter_addresses(layer)
-                storage = tensor.untyped_storage()
-                # A wrapper subclass's storage (a DTensor's) has no address and no bytes.
-                if _has_data(storage) and storage.data_ptr() not in params:
+                storage = own.of(tensor)
+                if storage is not None:
                     self._note_storage(layer, probe, storage)
                 return pack(tensor)
 
