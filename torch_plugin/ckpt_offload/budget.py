@@ -551,8 +551,8 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
         measured, tokens, base, budget_bytes - reserve_bytes, offload)
     layers = [_without(layer, offloaded[i], offloaded_seconds[i])
               for i, layer in enumerate(measured.layers)]
-    # What each layer would offload as RESIDENT: its own storages within the bytes its
-    # offloaded outputs take (so the transit and the host pool hold them as they are).
+    # Each layer's offloaded outputs' bytes, and what it would offload as RESIDENT: its own
+    # storages within those bytes (so the transit and the host pool hold them as they are).
     allowance = [sum(o.bytes_per_token for o in measured.layers[i].outputs
                      if o.key in offloaded[i]) for i in range(count)]
     storages = [resident_storages(measured.layers[i], tokens, allowance[i], offload.min_bytes)
@@ -600,9 +600,7 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
     resident_offloaded = tuple(storages[i][0] if modes[i] == RESIDENT else frozenset()
                                for i in range(count))
     resident_bytes = sum(storages[i][1] for i in range(count) if modes[i] == RESIDENT) * tokens
-    offloaded_bytes = sum(o.bytes_per_token for i in range(count)
-                          for o in measured.layers[i].outputs
-                          if o.key in offloaded_outputs[i]) * tokens
+    offloaded_bytes = sum(allowance[i] for i in range(count) if modes[i] != RESIDENT) * tokens
     return LayerPlan(tokens=tokens, budget_bytes=int(budget_bytes), modes=modes,
                      predicted_peak_bytes=int(peak), predicted_seconds_saved=saved,
                      checkpointed_peak_bytes=base, reserve_bytes=int(reserve_bytes),
