@@ -9,6 +9,7 @@
 #include <sstream>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 
 #ifdef CKPT_OFFLOAD_WITH_CUDA
@@ -405,16 +406,11 @@ SavedTensor TensorOffloader::PackIntoGroup(const at::Tensor& tensor, bool keep_r
     MutexLock lock(&tensors_mu_);
     marked_here = marked_.insert(impl).second;
   }
-  struct Unmark {
-    TensorOffloader* self;
-    const c10::TensorImpl* impl;
-    bool active;
-    ~Unmark() {
-      if (!active) return;
-      MutexLock lock(&self->tensors_mu_);
-      self->marked_.erase(impl);
-    }
-  } unmark{this, impl, marked_here};
+  absl::Cleanup unmark = [this, impl, marked_here] {
+    if (!marked_here) return;
+    MutexLock lock(&tensors_mu_);
+    marked_.erase(impl);
+  };
   SavedTensor saved = Pack(tensor);
   if (keep_restore && saved.packed) saved.packed->storage->KeepRestore();
   return saved;
