@@ -12,6 +12,8 @@
 #          the GPU budget tests and the doctor's copy figures
 #   res    resident layers offloading saved storages (budget_res) beside the default budget:
 #          the whole card at s8k and 80 GiB at s16k
+#   fair   the fair baselines beside the budget: no checkpointing and the best every_n_layers
+#          (whole card and 80 GiB, s8k), s32k at 80 GiB, and the 1B shape on the whole card
 set -u
 part=$1
 export PYTHONUNBUFFERED=1
@@ -65,5 +67,15 @@ case $part in
     timeout 260 python3 "$bench" --configs llama3-8b:16384:80 --modes ckpt,budget,budget_res \
       --rounds 2 --empty-cache --out "$OUT/res_16k" > "$OUT/res_16k.log" 2>&1
     rm -f "$OUT"/res_*/budget_bench.md ;;
+  fair)
+    timeout 200 python3 "$bench" --configs llama3-8b:8192:full,llama3-8b:8192:80 \
+      --modes ckpt,budget,none,every_n --rounds 2 --empty-cache \
+      --out "$OUT/fair_8k" > "$OUT/fair_8k.log" 2>&1
+    timeout 200 python3 "$bench" --configs llama3-8b:32768:80 --modes ckpt,ckpt_offload,budget \
+      --rounds 2 --empty-cache --out "$OUT/fair_32k" > "$OUT/fair_32k.log" 2>&1
+    timeout 120 python3 "$bench" --configs llama3-1b:8192:full,llama3-1b:32768:40 \
+      --modes ckpt,budget,none,every_n --rounds 3 --empty-cache \
+      --out "$OUT/fair_1b" > "$OUT/fair_1b.log" 2>&1
+    rm -f "$OUT"/fair_*/budget_bench.md ;;
 esac
 echo "part $part done"
