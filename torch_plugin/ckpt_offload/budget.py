@@ -69,7 +69,7 @@ peak, and the outputs worth most seconds per byte, across layers, are the ones o
 The budget is then spent from there: a layer's other candidates, then the whole layer
 resident.
 
-Resident layers (with OutputOffload.resident_storages; off by default until measured, see
+Resident layers (with OutputOffload.resident_storages; off by default, measured no faster: see
 RESIDENT_STORAGE_OFFLOAD). A resident layer recomputes nothing, so offloading its outputs
 saves no time; its copy window can buy memory instead: it offloads its own saved storages within the
 bytes its offloaded outputs would have taken, so the layers in transit and the host pool
@@ -136,10 +136,11 @@ FRAGMENTATION_MARGIN = 0.15
 # at 1.0; at 40 GiB 0.95 waited 0.4 ms.
 HOST_COPY_BYTES_PER_SECOND = 55e9
 COPY_WINDOW_SHARE = 0.9
-# Whether resident layers offload their own saved storages (see "Resident layers"). Off until
-# measured on the GPU: taken first-saved first they ran the H100's whole-card 8B s8k plan at
-# 0.782 of checkpointing (0.791 without) but s16k at 0.853 (0.846 without), with exposed
-# waits; the last-saved-first order that should remove those waits is not measured yet.
+# Whether resident layers offload their own saved storages (see "Resident layers"). Off: on
+# the H200 (8B, last-saved first, no exposed wait) the whole card at s8k ran 0.714 of
+# checkpointing against 0.704 without (every layer resident either way) and s16k at 80 GiB
+# 0.831 against 0.823 (2 resident layers against 4); first-saved first on the H100, s8k
+# 0.782 against 0.791 but s16k 0.853 against 0.846, with exposed waits.
 RESIDENT_STORAGE_OFFLOAD = False
 # How often the windows may halve before no output is offloaded (1/256 of a window is
 # nothing worth copying).
