@@ -259,6 +259,7 @@ def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict
             exposed_wait_ms=stats.get("exposed_wait_ms"),
             predicted_saved_ms=stats.get("budget_predicted_saved_ms"),
             predicted_peak_gib=stats.get("budget_predicted_peak_bytes", 0) / GIB,
+            stranded_gib=stats.get("budget_stranded_bytes", 0) / GIB,
             plan_tokens=stats.get("budget_tokens")))
         print(json.dumps(records[-1]), flush=True)
     handle.disable()
@@ -277,6 +278,10 @@ def var_table(run) -> str:
              f"{len(over)} over the cap (reserved), {len(records) - len(planned)} measured "
              f"(every layer checkpointed), max reserved "
              f"{max(r['reserved_peak_gib'] or 0 for r in records):.2f} GiB"]
+    idle = [r["seq"] for r in planned if not r["resident"] and not r["selective"]]
+    if idle:  # planned, yet every layer checkpointed: nothing fitted the budget
+        lines.append(f"planned steps with every layer checkpointed: {len(idle)}, lengths "
+                     f"{min(idle)}-{max(idle)}")
     if under:
         lines.append(f"planned steps: predicted peak minus allocated peak, GiB: min "
                      f"{min(under):.2f}, median {statistics.median(under):.2f}, max "

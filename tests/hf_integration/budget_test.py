@@ -779,6 +779,26 @@ def test_the_measured_steps_stranded_pieces_count_in_its_peak(monkeypatch):
     assert checkpointed_peak(measured, 128) > measured.peak_bytes + 2 * stranded
 
 
+def test_stats_report_the_stranded_pieces_of_the_plans_own_measurement(monkeypatch):
+    """budget_stranded_bytes is the figure of the measurement the running plan came from:
+    a longer step is measured anew, and each length plans from the shortest measured step
+    that covers it."""
+    reading = [1 << 20]  # what the meter reads; it changes before the second measurement
+    monkeypatch.setattr(LiveTensorMeter, "stranded", lambda self: reading[0])
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    assert handle.budget_stats()["budget_stranded_bytes"] == 0  # no plan yet
+    stranded = []
+    for ids in batches([32, 32, 32, 64, 64, 32]):
+        reading[0] = (5 << 20) if ids.shape[1] == 64 else (1 << 20)
+        run(model, [ids], handle)
+        stranded.append(handle.budget_stats()["budget_stranded_bytes"])
+    # Steps 1-2: no plan; 3: planned from the 32-token measurement; 4: 64 tokens measured
+    # (the stats keep step 3's plan); 5: planned from the 64-token one; 6: the 32-token one.
+    assert stranded == [0, 0, 1 << 20, 1 << 20, 5 << 20, 1 << 20]
+    handle.disable()
+
+
 def test_layers_the_model_does_not_checkpoint_stay_so(caplog):
     model = checkpointed(llama())
     layers = model.model.layers

@@ -87,7 +87,8 @@ STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers"
              "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
              "budget_reserve_bytes", "budget_offloading_layers", "budget_offloaded_output_bytes",
              "budget_host_limited_bytes", "budget_resident_offloaded_bytes",
-             "budget_measured_peak_bytes", "budget_measuring", "budget_copy_bytes_per_second")
+             "budget_measured_peak_bytes", "budget_measuring", "budget_copy_bytes_per_second",
+             "budget_stranded_bytes")
 
 # The wall clock of measurements on CPU (tests replace it with a deterministic one).
 _clock = time.perf_counter
@@ -893,14 +894,18 @@ class LayerBudget:
 
     def stats(self) -> Dict[str, float]:
         """The plan of the running step (of the latest planned one while a step is measured),
-        budget_measuring (1: this step is measured, every layer checkpointed) and the
-        memory reserved by the end of the latest planned step (CUDA)."""
+        budget_measuring (1: this step is measured, every layer checkpointed), the
+        memory reserved by the end of the latest planned step (CUDA) and the allocator's
+        free pieces stranded as the head began in the step the plan was measured from."""
         figures = {key: 0 for key in STAT_KEYS}
         if self.latest_plan is not None:
             figures.update(plan_summary(self.latest_plan))
         figures["budget_measured_peak_bytes"] = self.measured_peak_bytes
         figures["budget_measuring"] = int(self._probes is not None)
         figures["budget_copy_bytes_per_second"] = self.planned_copy_bytes_per_second
+        if self.latest_plan is not None:  # what the plan's measurement stranded (see budget)
+            measured = self._covering(self.latest_plan.tokens)
+            figures["budget_stranded_bytes"] = measured.stranded_bytes if measured else 0
         return figures
 
     def _say(self, key, message: str, *args) -> None:
