@@ -551,7 +551,9 @@ TEST(HostArenaSteps, TheCapHoldsAndRefusalsLeaveTheRestIntact) {
       const TraceReport report = runner.Run(lengths.lengths);
       SCOPED_TRACE(absl::StrCat(mix.name, " / ", lengths.name, " cap ", cap_fraction));
       EXPECT_EQ(report.bound_or_cap_problems, 0) << report.first_problem;
-      if (cap_fraction < 1.0) EXPECT_GT(report.refusals, 0);
+      if (cap_fraction < 1.0) {
+        EXPECT_GT(report.refusals, 0);
+      }
     }
   }
 }
