@@ -892,12 +892,12 @@ class LayerBudget:
         figures = {key: 0 for key in STAT_KEYS}
         if self.latest_plan is not None:
             figures.update(plan_summary(self.latest_plan))
+            # Measurements are never dropped: the one a plan came from still covers it.
+            figures["budget_stranded_bytes"] = self._covering(
+                self.latest_plan.tokens).stranded_bytes
         figures["budget_measured_peak_bytes"] = self.measured_peak_bytes
         figures["budget_measuring"] = int(self._probes is not None)
         figures["budget_copy_bytes_per_second"] = self.planned_copy_bytes_per_second
-        if self.latest_plan is not None:  # what the plan's measurement stranded (see budget)
-            measured = self._covering(self.latest_plan.tokens)
-            figures["budget_stranded_bytes"] = measured.stranded_bytes if measured else 0
         return figures
 
     def _say(self, key, message: str, *args) -> None:
