@@ -536,7 +536,7 @@ def test_resident_layers_offload_saved_storages_bit_identically(family):
     expected = run(checkpointed(make_model()), batches(lengths))
     model = checkpointed(make_model())
     handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
-    measured = []
+    measured, plans = [], []
 
     def plan_then(plan_for):
         def planned(measurement, tokens, changed):
@@ -546,9 +546,11 @@ def test_resident_layers_offload_saved_storages_bit_identically(family):
                 own = [i for i, size in enumerate(cost.storages) if size > 0]
                 assert len(own) >= 2, (family, cost.storages)
                 chosen.append(frozenset(own[0::2]))
-            return LayerPlan(tokens=tokens, budget_bytes=1 << 40, modes=(RESIDENT,) * layers,
-                             predicted_peak_bytes=0, predicted_seconds_saved=0.0,
-                             checkpointed_peak_bytes=0, resident_offloaded=tuple(chosen))
+            plans.append(LayerPlan(
+                tokens=tokens, budget_bytes=1 << 40, modes=(RESIDENT,) * layers,
+                predicted_peak_bytes=0, predicted_seconds_saved=0.0, checkpointed_peak_bytes=0,
+                resident_offloaded=tuple(chosen)))
+            return plans[-1]
         return planned
 
     handle._budget._plan_for = plan_then(handle._budget._plan_for)
@@ -572,8 +574,7 @@ def test_resident_layers_offload_saved_storages_bit_identically(family):
     # From the planned steps on, the chosen storages move (the inputs too where saved).
     cost = measured[0].layers
     chosen_bytes = sum(cost[i].storages[o] * 64 for i in range(layers)
-                       for o in range(len(cost[i].storages))
-                       if o in [j for j, size in enumerate(cost[i].storages) if size > 0][0::2])
+                       for o in plans[0].offloaded_storages(i))
     assert chosen_bytes > 0
     assert all(m >= chosen_bytes for m in moved[MEASURED_STEP:]), (moved, chosen_bytes)
     handle.disable()
