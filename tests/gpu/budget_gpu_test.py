@@ -6,7 +6,8 @@ bit-identical to full checkpointing (eager attention: deterministic kernels). Wi
 3's vocabulary, a budget of the checkpointed step's own peak and room for the outputs in
 transit offloads op outputs through the engine, bit-identically, at the memory
 ckpt_offload uses without a budget and that room. A measured step's stranded pieces do not
-depend on what earlier steps left in the allocator's cache.
+depend on what earlier steps left in the allocator's cache, and a layer's recompute time
+does not count the meter's own work.
 
     python -m pytest -s tests/gpu/budget_gpu_test.py
 """
@@ -187,3 +188,35 @@ def test_a_measurement_is_not_inflated_by_what_earlier_steps_left_cached():
     print(f"stranded as the head began: {clean / GIB:.2f} GiB on a clean cache, "
           f"{dirty / GIB:.2f} GiB after an 8 GiB segment was left cached")
     assert dirty <= clean + GIB // 4
+
+
+def test_a_layers_recompute_time_leaves_out_the_meters_own_work(monkeypatch):
+    """The meter's host work between ops leaves the device idle, which the recompute's
+    events would count: slowed down to 2 ms per op, it must not reach the plan's figures."""
+    import time
+
+    from ckpt_offload.hf import enable_activation_offload
+    from ckpt_offload.hf import layer_budget
+
+    delay = 2e-3
+    metered_ops = []
+    after = layer_budget._OutputMeter._after
+
+    def slow_after(meter, *args):
+        metered_ops.append(None)
+        time.sleep(delay)
+        return after(meter, *args)
+
+    monkeypatch.setattr(layer_budget._OutputMeter, "_after", slow_after)
+    model = lora_llama()
+    handle = enable_activation_offload(model, memory_budget="1TiB")
+    run(model, handle)
+    measured = handle._budget.measurement
+    handle.disable()
+    ops_per_layer = len(metered_ops) / LAYERS
+    slowest = max(c.recompute_seconds_per_token for c in measured.layers) * measured.tokens
+    print(f"{ops_per_layer:.0f} metered ops per layer, {delay * 1e3:.0f} ms each added; "
+          f"the slowest layer's recompute planned at {slowest * 1e3:.2f} ms")
+    assert ops_per_layer >= 20
+    assert all(c.outputs for c in measured.layers)  # every layer was metered
+    assert slowest < ops_per_layer * delay / 2

@@ -17,8 +17,9 @@ A CHECKPOINT or SELECTIVE layer may also offload the outputs of chosen ops (its 
 outputs*, see "Offloaded outputs") with its input, instead of recomputing them.
 
 Costs come from a measured step (every layer checkpointed): each layer's saved bytes and
-recompute time (counted while its recompute runs), each op of its recompute that could be
-kept (its output's bytes and its own time), the step's tokens, and its peak. A step of
+recompute time (the time of its forward, which runs the same ops, where it was timed),
+each op of its recompute that could be kept (its output's bytes and its own time), the
+step's tokens, and its peak. A step of
 `t` tokens is planned from a measured step of at least `t` tokens, its per-token figures
 applied to `t` (bytes per token grow with length where attention materializes its scores,
 and never shrink, so a longer step's figures bound a shorter one's); plan_layers also
@@ -52,8 +53,8 @@ layer, and only that, is taken for the model's head.
 Offloaded outputs. An op output can also go to the host with its layer's input (one
 offload group) and come back with it for the recompute, which skips that op: it holds device
 memory only while it is copied, and costs copy time, which the layer's forward hides up to
-its copy window: what the copy rate moves in the time of the layer's forward (about its
-recompute's), less the layer's input. Each layer offloads its candidates by rank (seconds
+its copy window: what the copy rate moves in the time of the layer's forward (its
+recompute time), less the layer's input. Each layer offloads its candidates by rank (seconds
 per byte), each that still fits its window, before the budget is spent: it costs no device
 memory beyond the layers in transit. Those are at most `layers_on_device` layers' outputs
 beside a layer's backward (the prefetched layers' and the one being recomputed; in forward,
