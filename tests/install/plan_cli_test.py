@@ -338,6 +338,9 @@ def test_resident_layers_offload_saved_tensors_in_the_planner(monkeypatch):
 
     args = ("--memory_budget=auto", "--device_gib=80")
     assert budget_figures(*args)["resident_offloaded_bytes"] == 0
+    text = run("--preset=llama-8b", "--seq=8192", "--step_peak_gib=27.5", "--layer_gib=2.25",
+               "--layer_ms=12.1", *args).stdout
+    assert "resident layers' offloads" not in text
     monkeypatch.setattr(budget, "RESIDENT_STORAGE_OFFLOAD", True)
     section = budget_figures(*args)
     assert section["resident_offloaded_bytes"] > 0
@@ -361,6 +364,8 @@ def test_stranded_pieces_count_in_the_checkpointed_peak():
     assert stranded["predicted_step_ms"] >= plain["predicted_step_ms"]
     over = budget_figures("--memory_budget=28.5GiB", "--stranded_gib=1.5")
     assert not over["fits"] and over["resident_layers"] == over["selective_layers"] == 0
+    # Allocations leave the stranded pieces out: the checkpointed step's own peak.
+    assert over["predicted_allocated_bytes"] == int(27.5 * 2**30)
     text = run("--preset=llama-8b", "--seq=8192", "--step_peak_gib=27.5", "--layer_gib=2.25",
                "--layer_ms=12.1", "--memory_budget=28.5GiB", "--stranded_gib=1.5").stdout
     assert "(checkpointed step 29.00 GiB)" in text and "every layer stays" in text

@@ -12,8 +12,8 @@ from ckpt_offload import OffloadConfig
 from ckpt_offload import budget as budget_module
 from ckpt_offload.budget import (CHECKPOINT, COPY_WINDOW_SHARE, RESIDENT, FRAGMENTATION_MARGIN,
                                  SELECTIVE, KeptOutput, LayerCost, OutputOffload, StepMeasurement,
-                                 checkpointed_peak, layer_steps, offloaded_candidates,
-                                 plan_layers, uniform_measurement)
+                                 checkpointed_allocated_peak, checkpointed_peak, layer_steps,
+                                 offloaded_candidates, plan_layers, uniform_measurement)
 from ckpt_offload.config import AUTO_BUDGET_MARGIN, parse_memory_budget
 
 GIB = 1 << 30
@@ -40,7 +40,7 @@ def test_the_measured_h200_plans():
     [1, 20, 27.5, 30, 45.3, 76, 200], [1024, 8192, 16384, 32768], [0, 4])))
 def test_plans_stay_within_the_budget_and_resident_layers_are_the_last(
         budget_gib, tokens, reserve_gib):
-    measured = llama_8b()
+    measured = dataclasses.replace(llama_8b(), stranded_bytes=int(1.5 * GIB))
     budget, reserve = int(budget_gib * GIB), int(reserve_gib * GIB)
     plan = plan_layers(measured, tokens, budget, reserve)
     resident = plan.count(RESIDENT)
@@ -48,6 +48,10 @@ def test_plans_stay_within_the_budget_and_resident_layers_are_the_last(
     base = checkpointed_peak(measured, tokens)
     layer = 2.25 * GIB / TOKENS * tokens * (1 + FRAGMENTATION_MARGIN)
     assert plan.predicted_peak_bytes == pytest.approx(base + resident * layer, abs=64)
+    # Allocations: the stranded pieces and the margin left out.
+    assert plan.predicted_allocated_bytes == pytest.approx(
+        checkpointed_allocated_peak(measured, tokens)
+        + resident * 2.25 * GIB / TOKENS * tokens, abs=64)
     if resident:
         assert plan.predicted_peak_bytes + reserve <= budget
     if resident < 32:  # one more would not have fitted
@@ -353,6 +357,9 @@ def test_outputs_in_transit_are_counted_and_their_windows_shrink_to_fit(room_gib
             RESIDENT) * measured.layers[0].saved_bytes_per_token * TOKENS * (
                 1 + FRAGMENTATION_MARGIN)
         assert plan.predicted_peak_bytes == pytest.approx(base + transit + device, abs=64)
+        # Allocations: the same, without the margins.
+        assert plan.predicted_allocated_bytes == pytest.approx(
+            base + 2 * largest + device / (1 + FRAGMENTATION_MARGIN), abs=64)
     full = offloaded_candidates(measured.layers[0], TOKENS, ENGINE_DEFAULTS,
                                 COPY_WINDOW_SHARE)[1] * TOKENS
     fits_whole = 2 * full * (1 + FRAGMENTATION_MARGIN) <= room_gib * GIB

@@ -306,6 +306,9 @@ class LayerPlan:
     # empty for the others), and their bytes, all layers together.
     resident_offloaded: Tuple[FrozenSet[int], ...] = ()
     resident_offloaded_bytes: int = 0
+    # The predicted peak of allocations (the measured ones grown with tokens, and what the
+    # plan adds, without the allocator's margins): what the step's tensors will take.
+    predicted_allocated_bytes: int = 0
 
     def count(self, mode: str) -> int:
         return sum(m == mode for m in self.modes)
@@ -363,6 +366,13 @@ def checkpointed_peak(measured: StepMeasurement, tokens: int) -> int:
     scale = max(1.0, tokens / measured.tokens)
     growth = (scale - 1.0) * measured.activation_peak_bytes
     return int(measured.peak_bytes + growth + scale * measured.stranded_bytes)
+
+
+def checkpointed_allocated_peak(measured: StepMeasurement, tokens: int) -> int:
+    """The predicted allocated peak of a step of `tokens` with every layer checkpointed
+    (checkpointed_peak without the stranded pieces)."""
+    scale = max(1.0, tokens / measured.tokens)
+    return int(measured.peak_bytes + (scale - 1.0) * measured.activation_peak_bytes)
 
 
 def layer_phase_peak(measured: StepMeasurement, tokens: int) -> int:
@@ -549,7 +559,7 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                offload: Optional[OutputOffload]) -> LayerPlan:
     base = checkpointed_peak(measured, tokens)
     count = len(measured.layers)
-    offloaded, offloaded_seconds, transit, host_limited = _offloaded_plan(
+    offloaded, offloaded_seconds, transit, transit_allocated, host_limited = _offloaded_plan(
         measured, tokens, base, budget_bytes - reserve_bytes, offload)
     layers = [_without(layer, offloaded[i], offloaded_seconds[i])
               for i, layer in enumerate(measured.layers)]
@@ -568,6 +578,7 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
     resident = [False] * count
     kept: List[FrozenSet[OpKey]] = [frozenset()] * count
     peak = float(base + transit)
+    allocated = float(checkpointed_allocated_peak(measured, tokens) + transit_allocated)
     saved = sum(offloaded_seconds) * tokens
     while True:
         best: Optional[int] = None
@@ -587,6 +598,7 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
             stopped[best] = True
             continue
         peak += extra
+        allocated += step.bytes_per_token * tokens
         saved += step.seconds_per_token * tokens
         taken[best] += 1
         resident[best] = step.resident
@@ -610,17 +622,19 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                      offloaded_outputs=offloaded_outputs,
                      offloaded_output_bytes=int(round(offloaded_bytes)),
                      host_limited_bytes=host_limited, resident_offloaded=resident_offloaded,
-                     resident_offloaded_bytes=int(round(resident_bytes)))
+                     resident_offloaded_bytes=int(round(resident_bytes)),
+                     predicted_allocated_bytes=int(allocated))
 
 
 def _offloaded_plan(measured: StepMeasurement, tokens: int, base: int, room: int,
                     offload: Optional[OutputOffload]):
     """Each layer's offloaded outputs and their seconds per token, the bytes their transit
-    adds to `base`, the checkpointed step's peak (see "Offloaded outputs"), for the widest
-    windows (a half, a quarter, ... of each) whose transit fits `room`, and the bytes the
-    host limit left out of those windows."""
+    adds to `base`, the checkpointed step's peak (see "Offloaded outputs"), and to its
+    allocated peak (without the margin), for the widest windows (a half, a quarter, ... of
+    each) whose transit fits `room`, and the bytes the host limit left out of those
+    windows."""
     count = len(measured.layers)
-    none = [frozenset()] * count, [0.0] * count, 0, 0
+    none = [frozenset()] * count, [0.0] * count, 0, 0, 0
     if offload is None or offload.bytes_per_second <= 0:
         return none
     layer_base = layer_phase_peak(measured, tokens)
@@ -633,12 +647,15 @@ def _offloaded_plan(measured: StepMeasurement, tokens: int, base: int, room: int
         chosen, host_limited = _within_host(measured, tokens, chosen, offload)
         largest = max(bytes_per_token for _, bytes_per_token, _ in chosen) * tokens
         if largest <= 0:
-            return none[:3] + (int(round(host_limited * tokens)),)
-        in_transit = offload.layers_on_device * largest * (1.0 + FRAGMENTATION_MARGIN)
-        transit = max(0.0, layer_base + in_transit - base)
+            return none[:4] + (int(round(host_limited * tokens)),)
+        in_transit = offload.layers_on_device * largest
+        transit = max(0.0, layer_base + in_transit * (1.0 + FRAGMENTATION_MARGIN) - base)
         if base + transit <= room:
+            transit_allocated = max(
+                0.0, layer_base + in_transit - checkpointed_allocated_peak(measured, tokens))
             return ([keys for keys, _, _ in chosen], [seconds for _, _, seconds in chosen],
-                    int(math.ceil(transit)), int(round(host_limited * tokens)))
+                    int(math.ceil(transit)), int(math.ceil(transit_allocated)),
+                    int(round(host_limited * tokens)))
         share /= 2
     return none
 
@@ -653,6 +670,7 @@ def plan_summary(plan: LayerPlan) -> Dict[str, float]:
         "budget_kept_output_bytes": plan.kept_output_bytes,
         "budget_tokens": plan.tokens,
         "budget_predicted_peak_bytes": plan.predicted_peak_bytes,
+        "budget_predicted_allocated_bytes": plan.predicted_allocated_bytes,
         "budget_predicted_saved_ms": plan.predicted_seconds_saved * 1e3,
         "budget_reserve_bytes": plan.reserve_bytes,
         "budget_offloading_layers": plan.offloading_layers,

@@ -292,6 +292,7 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
         "resident_offloaded_bytes": layer_plan.resident_offloaded_bytes,
         "host_limited_bytes": layer_plan.host_limited_bytes,
         "predicted_peak_bytes": layer_plan.predicted_peak_bytes,
+        "predicted_allocated_bytes": layer_plan.predicted_allocated_bytes,
         "checkpointed_peak_bytes": layer_plan.checkpointed_peak_bytes,
         "checkpointed_step_ms": step_ms,
         "predicted_step_ms": step_ms - layer_plan.predicted_seconds_saved * 1e3,
@@ -319,9 +320,14 @@ def budget_text(section: Dict) -> str:
         f"  offloaded outputs             {section['offloading_layers']} layers offload "
         f"{section['offloaded_output_bytes'] / GIB:.2f} GiB of op outputs with their inputs "
         f"(within each layer's copy window{held_back})",
-        f"  resident layers' offloads     "
-        f"{section['resident_offloaded_bytes'] / GIB:.2f} GiB of their saved tensors",
+    ]
+    if section["resident_offloaded_bytes"]:  # resident layers' storage offloads (off by default)
+        lines.append(f"  resident layers' offloads     "
+                     f"{section['resident_offloaded_bytes'] / GIB:.2f} GiB of their saved "
+                     f"tensors")
+    lines += [
         f"  predicted peak                {section['predicted_peak_bytes'] / GIB:.2f} GiB "
+        f"reserved, {section['predicted_allocated_bytes'] / GIB:.2f} GiB allocated "
         f"(checkpointed step {section['checkpointed_peak_bytes'] / GIB:.2f} GiB)",
         f"  predicted step                {section['predicted_step_ms']:.1f} ms "
         f"(checkpointed {section['checkpointed_step_ms']:.1f} ms, "

@@ -49,6 +49,7 @@ BUDGET_FIGURES = {
     "offload/budget_offloaded_output_gib": ("budget_offloaded_output_bytes", GIB),
     "offload/budget_resident_offloaded_gib": ("budget_resident_offloaded_bytes", GIB),
     "offload/budget_predicted_peak_gib": ("budget_predicted_peak_bytes", GIB),
+    "offload/budget_predicted_allocated_gib": ("budget_predicted_allocated_bytes", GIB),
     "offload/budget_measured_peak_gib": ("budget_measured_peak_bytes", GIB),
     "offload/budget_predicted_saved_ms": ("budget_predicted_saved_ms", 1),
 }

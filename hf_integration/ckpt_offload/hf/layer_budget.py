@@ -86,7 +86,8 @@ MEASURED_STEP = 2
 # stats() keys of a budget (zeros until a plan exists).
 STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers",
              "budget_checkpointed_layers", "budget_kept_output_bytes", "budget_tokens",
-             "budget_predicted_peak_bytes", "budget_predicted_saved_ms",
+             "budget_predicted_peak_bytes", "budget_predicted_allocated_bytes",
+             "budget_predicted_saved_ms",
              "budget_reserve_bytes", "budget_offloading_layers", "budget_offloaded_output_bytes",
              "budget_host_limited_bytes", "budget_resident_offloaded_bytes",
              "budget_measured_peak_bytes", "budget_measuring", "budget_copy_bytes_per_second",
