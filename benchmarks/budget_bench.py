@@ -6,8 +6,8 @@ process, interleaved round by round.
 
 A config is shape:seq:cap (cap: GiB, or `full` for the whole device; applied with
 torch.cuda.set_per_process_memory_fraction). Workload: benchmarks/workloads.py (peft LoRA
-r=16 on all linear layers, bf16, batch 1, sdpa, the model's own loss). Modes, each its own
-LoRA model over one shared base:
+r=16 on all linear layers, bf16, batch 1, sdpa, the model's own loss, or --loss liger /
+cce). Modes, each its own LoRA model over one shared base:
 
 - ckpt: every layer checkpointed (non-reentrant), the reference of every ratio;
 - ckpt_offload: today's ckpt_offload (inputs offloaded, every layer checkpointed);
@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import statistics
 import sys
@@ -118,12 +119,12 @@ def checkpoint_every(model, n: int) -> None:
         gradient_checkpointing_kwargs={"use_reentrant": False}, every_n_layers=n)
 
 
-def make_modes(names, base, budget="auto") -> List[Mode]:
+def make_modes(names, base, budget="auto", loss="hf") -> List[Mode]:
     from ckpt_offload.hf import enable_activation_offload
 
     modes = []
     for name in names:
-        model = lora_model(base)
+        model = lora_model(base, loss)
         if name == "ckpt_offload":
             modes.append(Mode(name, model, enable_activation_offload(model)))
         elif name in ("budget", "budget_keep", "budget_res") or name.startswith("budget@"):
@@ -156,13 +157,13 @@ def find_every_n(mode: Mode, ids) -> None:
 
 
 def run_config(shape: str, seq: int, cap: str, rounds: int, names, base, budget="auto",
-               empty_each_step: bool = False) -> Dict:
+               empty_each_step: bool = False, loss: str = "hf") -> Dict:
     cap_bytes = set_cap(cap)
     gc.collect()
     torch.cuda.empty_cache()
     generator = torch.Generator().manual_seed(seq)
     ids = torch.randint(0, base.config.vocab_size, (1, seq), generator=generator).cuda()
-    modes = make_modes(names, base, budget)
+    modes = make_modes(names, base, budget, loss)
     for mode in modes:
         if mode.name == "every_n":
             find_every_n(mode, ids)
@@ -224,7 +225,7 @@ def run_config(shape: str, seq: int, cap: str, rounds: int, names, base, budget=
     gc.collect()
     torch.cuda.empty_cache()
     return dict(shape=shape, seq=seq, cap=cap, cap_gib=cap_bytes / GIB, rows=rows,
-                budget=budget, same_first_loss=len(losses) <= 1)
+                budget=budget, loss=loss, same_first_loss=len(losses) <= 1)
 
 
 def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict:
@@ -259,6 +260,7 @@ def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict
             exposed_wait_ms=stats.get("exposed_wait_ms"),
             predicted_saved_ms=stats.get("budget_predicted_saved_ms"),
             predicted_peak_gib=stats.get("budget_predicted_peak_bytes", 0) / GIB,
+            predicted_allocated_gib=stats.get("budget_predicted_allocated_bytes", 0) / GIB,
             stranded_gib=stats.get("budget_stranded_bytes", 0) / GIB,
             plan_tokens=stats.get("budget_tokens")))
         print(json.dumps(records[-1]), flush=True)
@@ -273,6 +275,8 @@ def var_table(run) -> str:
     errors = [r for r in records if r["error"].startswith("OOM")]
     over = [r for r in records if r["ok"] and r["reserved_peak_gib"] > run["cap_gib"]]
     under = [r["predicted_peak_gib"] - r["allocated_peak_gib"] for r in planned]
+    allocated = [r["predicted_allocated_gib"] - r["allocated_peak_gib"] for r in planned
+                 if r.get("predicted_allocated_gib")]
     lines = [f"var {run['shape']} lengths [{run['low']}, {run['high']}], cap "
              f"{run['cap_gib']:.1f} GiB: {len(records)} steps, {len(errors)} OOM, "
              f"{len(over)} over the cap (reserved), {len(records) - len(planned)} measured "
@@ -286,6 +290,10 @@ def var_table(run) -> str:
         lines.append(f"planned steps: predicted peak minus allocated peak, GiB: min "
                      f"{min(under):.2f}, median {statistics.median(under):.2f}, max "
                      f"{max(under):.2f}")
+    if allocated:
+        lines.append(f"planned steps: predicted allocated peak minus allocated peak, GiB: min "
+                     f"{min(allocated):.2f}, median {statistics.median(allocated):.2f}, max "
+                     f"{max(allocated):.2f}")
     return "\n".join(lines)
 
 
@@ -299,6 +307,7 @@ def table(report) -> str:
              "reserved peak GiB | plan (C ckpt, S selective, R resident) | note |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
+        loss_note = f" ({run['loss']})" if run.get("loss", "hf") != "hf" else ""
         for row in run["rows"]:
             def cell(key, spec):
                 value = row.get(key)
@@ -323,8 +332,15 @@ def table(report) -> str:
                 predicted = stats.get("budget_predicted_peak_bytes", 0)
                 if predicted:
                     plan += f", predicted peak {predicted / GIB:.1f} GiB"
+                allocated = stats.get("budget_predicted_allocated_bytes", 0)
+                if allocated:
+                    plan += f" ({allocated / GIB:.1f} allocated)"
+                saved = stats.get("budget_predicted_saved_ms", 0)
+                if saved:
+                    plan += f", predicted saving {saved:.0f} ms"
             lines.append(
-                f"| {run['shape']} | {run['seq']} | {run['cap_gib']:.0f} | {row['mode']} | "
+                f"| {run['shape']}{loss_note} | {run['seq']} | {run['cap_gib']:.0f} | "
+                f"{row['mode']} | "
                 f"{cell('step_ms', '.1f')} | {cell('ratio', '.3f')} | {cell('paired', '.3f')} | "
                 f"{cell('allocated_peak_gib', '.1f')} | {cell('reserved_peak_gib', '.1f')} | "
                 f"{plan} | {note[:60]} |")
@@ -342,8 +358,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the budget mode's memory_budget (default auto), e.g. 76GiB")
     parser.add_argument("--empty-cache", action="store_true",
                         help="empty the allocator's cache before every timed step too")
+    parser.add_argument("--loss", default="hf", help="hf (the model's own), liger or cce")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    # The budget's measurements and plans, as a Trainer's log would show them.
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    logging.getLogger("ckpt_offload.hf").setLevel(logging.INFO)
     names = args.modes.split(",")
     report = dict(meta=meta(), runs=[],
                   allocator_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""))
@@ -367,7 +387,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             gc.collect()
             bases[shape] = base_model(shape)
         run = run_config(shape, int(seq), cap, args.rounds, names, bases[shape], args.budget,
-                         args.empty_cache)
+                         args.empty_cache, args.loss)
         report["runs"].append(run)
         text = table(report)
         print(text, flush=True)

@@ -16,9 +16,16 @@
 #          (whole card and 80 GiB, s8k), s32k at 80 GiB, and the 1B shape on the whole card
 #          (1B s32k under 40 GiB runs out of memory in every mode, checkpointing included:
 #          the model's own loss asks for 15.7 GiB of float32 logits)
+#   predict the planner's time and peak against the measured step: 1B and 8B s8k on the whole
+#          card (no checkpointing beside them: what a layer really costs), 8B s8k at 80 GiB
+#          and s16k at 80 GiB; the GPU budget tests
+#   liger  Liger's fused linear cross-entropy (.peers/site, tools/gpu_peers.sh): 8B at 80 GiB,
+#          s8k, s16k and s32k, with ckpt_offload today beside the budget
 set -u
 part=$1
 export PYTHONUNBUFFERED=1
+# The fused losses' pure-Python packages, where tools/gpu_peers.sh put them.
+[ -d .peers/site ] && export PYTHONPATH="$PWD/.peers/site${PYTHONPATH:+:$PYTHONPATH}"
 if ! python3 -c "import ckpt_offload._native" 2>/dev/null; then
   CKPT_OFFLOAD_ABSL_PREFIX=$PWD/.gpu_deps/absl MAX_JOBS=16 \
     python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip_$part.log" 2>&1
@@ -79,5 +86,20 @@ case $part in
       --modes ckpt,budget,none,every_n --rounds 3 --empty-cache \
       --out "$OUT/fair_1b" > "$OUT/fair_1b.log" 2>&1
     rm -f "$OUT"/fair_*/budget_bench.md ;;
+  predict)
+    timeout 100 python3 "$bench" --configs llama3-1b:8192:full --modes ckpt,budget,none \
+      --rounds 3 --empty-cache --out "$OUT/predict_1b" > "$OUT/predict_1b.log" 2>&1
+    timeout 220 python3 "$bench" --configs llama3-8b:8192:full,llama3-8b:8192:80,llama3-8b:16384:80 \
+      --modes ckpt,budget,none --rounds 2 --empty-cache \
+      --out "$OUT/predict_8b" > "$OUT/predict_8b.log" 2>&1
+    rm -f "$OUT"/predict_*/budget_bench.md
+    (cd "$tests" && timeout 130 python3 -m pytest -q -s -p no:cacheprovider \
+      gpu/budget_gpu_test.py) > "$OUT/pytest.log" 2>&1 ;;
+  liger)
+    timeout 300 python3 "$bench" --loss liger \
+      --configs llama3-8b:8192:80,llama3-8b:16384:80,llama3-8b:32768:80 \
+      --modes ckpt,ckpt_offload,budget --rounds 2 --empty-cache \
+      --out "$OUT/liger" > "$OUT/liger.log" 2>&1
+    rm -f "$OUT"/liger/budget_bench.md ;;
 esac
 echo "part $part done"
