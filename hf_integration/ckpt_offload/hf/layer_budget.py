@@ -752,14 +752,6 @@ class LayerBudget:
         self._probes = {}
         self._seen = {}
         self._measured_tokens = tokens
-        if self._cuda:
-            # The measured step's stranded pieces are the checkpointed step's own only on a
-            # clean cache: segments cut by earlier steps' plans (and emptied when they
-            # ended) would be split again beside its tensors (measured on the H200, 8B,
-            # lengths 4k-32k at 80 GiB: a step measured after planned ones stranded ~9 GiB
-            # more, and every longer step stayed fully checkpointed). Rare: a measurement
-            # runs once per new longest length.
-            torch.cuda.empty_cache()
         self._measured_started = time.perf_counter()
         self._allocated_at_start = torch.cuda.memory_allocated() if self._cuda else 0
 
