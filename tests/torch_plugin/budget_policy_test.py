@@ -318,6 +318,32 @@ def test_at_todays_memory_every_layer_but_the_last_offloads():
     assert plan_layers(measured, TOKENS, base).predicted_seconds_saved == 0
 
 
+def test_a_changed_length_whose_reserve_does_not_fit_still_offloads():
+    """A changed length's reserve (room for its largest block, asked for at the head) beside
+    a checkpointed peak that leaves no room for it: nothing is kept on the device, but the
+    outputs in transit, on the device around the layers' backward only, fit beside that
+    backward's peak and the reserve, so they are offloaded; the predicted peak stays the
+    checkpointed step's. Unmeasured layers' backward (the step's peak stands for it), or a
+    checkpointed step over the budget, offload nothing."""
+    measured = llama_8b_offloading(layer_phase_gib=20.0)
+    base = checkpointed_peak(measured, TOKENS)
+    budget, reserve = base + 2 * GIB, 4 * GIB
+    plan = plan_layers(measured, TOKENS, budget, reserve, ENGINE_DEFAULTS)
+    assert plan.offloading_layers == 29 and plan.predicted_seconds_saved > 0
+    assert plan.modes == (CHECKPOINT,) * 32 and plan.kept_output_bytes == 0
+    assert plan.predicted_peak_bytes == base
+    # Less room beside the layers' backward and the reserve: the windows shrink; none left
+    # with the reserve beside that backward alone over the budget.
+    tight = plan_layers(measured, TOKENS, budget, budget - int(20.2 * GIB), ENGINE_DEFAULTS)
+    assert 0 < tight.offloaded_output_bytes < plan.offloaded_output_bytes
+    none = plan_layers(measured, TOKENS, budget, budget - 20 * GIB + 1, ENGINE_DEFAULTS)
+    assert none.offloading_layers == 0 and none.predicted_seconds_saved == 0
+    unmeasured = llama_8b_offloading(layer_phase_gib=0)
+    assert plan_layers(unmeasured, TOKENS, budget, reserve, ENGINE_DEFAULTS).offloading_layers == 0
+    over = plan_layers(measured, TOKENS, base - 1, 0, ENGINE_DEFAULTS)
+    assert over.offloading_layers == 0 and not over.fits
+
+
 def test_the_plan_sizes_windows_with_the_offload_share():
     """The plan's windows are offload.window_share of each layer's forward: a wider share
     offloads at least the same outputs and saves at least as much; at 95 % of the 8B layer's
