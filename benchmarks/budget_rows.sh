@@ -19,7 +19,7 @@
 #   predict the planner's time and peak against the measured step: 1B and 8B s8k on the whole
 #          card (no checkpointing beside them: what a layer really costs), 8B s8k at 80 GiB
 #          and s16k at 80 GiB; the GPU budget tests
-#   long   20 steps of random lengths in [28672, 32768] under "auto", the whole card (80 GiB
+#   long   12 steps of random lengths in [28672, 32768] under "auto", the whole card (80 GiB
 #          on the H100): the long changed-length steps whose logits reserve leaves no room
 #          beside their checkpointed peak
 #   liger  Liger's fused linear cross-entropy (.peers/site, tools/gpu_peers.sh): 8B at 80 GiB,
@@ -99,7 +99,7 @@ case $part in
     (cd "$tests" && timeout 130 python3 -m pytest -q -s -p no:cacheprovider \
       gpu/budget_gpu_test.py) > "$OUT/pytest.log" 2>&1 ;;
   long)
-    timeout 300 python3 "$bench" --var llama3-8b:28672:32768:20:80 \
+    timeout 200 python3 "$bench" --var llama3-8b:28672:32768:12:80 \
       --out "$OUT/long" > "$OUT/long.log" 2>&1 ;;
   liger)
     timeout 200 python3 "$bench" --loss liger --configs llama3-8b:8192:80,llama3-8b:16384:80 \
