@@ -282,8 +282,9 @@ def var_table(run) -> str:
              f"{len(over)} over the cap (reserved), {len(records) - len(planned)} measured "
              f"(every layer checkpointed), max reserved "
              f"{max(r['reserved_peak_gib'] or 0 for r in records):.2f} GiB"]
-    idle = [r["seq"] for r in planned if not r["resident"] and not r["selective"]]
-    if idle:  # planned, yet every layer checkpointed: nothing fitted the budget
+    idle = [r["seq"] for r in planned
+            if not r["resident"] and not r["selective"] and not r["offloaded_output_gib"]]
+    if idle:  # planned, yet every layer checkpointed offloading nothing: nothing fitted
         lines.append(f"planned steps with every layer checkpointed: {len(idle)}, lengths "
                      f"{min(idle)}-{max(idle)}")
     if under:
