@@ -19,11 +19,11 @@ outputs*, see "Offloaded outputs") with its input, instead of recomputing them.
 Costs come from a measured step (every layer checkpointed): each layer's saved bytes and
 recompute time (the time of its forward, which runs the same ops, where it was timed),
 each op of its recompute that could be kept (its output's bytes and its own time), the
-step's tokens, and its peak. A step of
-`t` tokens is planned from a measured step of at least `t` tokens, its per-token figures
-applied to `t` (bytes per token grow with length where attention materializes its scores,
-and never shrink, so a longer step's figures bound a shorter one's); plan_layers also
-accepts a shorter measurement and then grows the measured peak linearly with tokens.
+step's tokens, and its peak. A step of `t` tokens is planned from a measured step of at
+least `t` tokens, its per-token figures applied to `t` (bytes per token grow with length
+where attention materializes its scores, and never shrink, so a longer step's figures bound
+a shorter one's); plan_layers also accepts a shorter measurement and then grows the
+measured peak linearly with tokens.
 
 Memory. A resident layer's saved tensors, and a selective layer's kept outputs, are live
 from its forward to its backward (its recompute), so at the end of the forward (where the
