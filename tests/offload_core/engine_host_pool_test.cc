@@ -90,7 +90,9 @@ class HostPoolEngine {
   }
 
   ~HostPoolEngine() {
-    if (engine_) EXPECT_TRUE(engine_->Reset().ok());
+    if (engine_) {
+      EXPECT_TRUE(engine_->Reset().ok());
+    }
     engine_.reset();
     EXPECT_EQ(client_.outstanding(), 0u);
   }

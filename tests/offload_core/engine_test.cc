@@ -713,7 +713,9 @@ ExposureRun RunExposure(int layers, int keep_last, int prefetch, double forward_
   const StepPlan plan = UniformPlan(layers, kTenMicrosecondBytes, 1, forward_us, backward_us);
   SavedLayers saved;
   EXPECT_TRUE(harness.Forward(plan, 0, &saved).ok());
-  if (sync_before_backward) EXPECT_TRUE(harness.sim().SynchronizeAll().ok());
+  if (sync_before_backward) {
+    EXPECT_TRUE(harness.sim().SynchronizeAll().ok());
+  }
   EXPECT_TRUE(harness.Backward(&saved, plan.backward_us).ok());
   harness.DrainAndCheck();
   harness.ExpectQuiescent();
@@ -1260,7 +1262,9 @@ TEST_F(EngineTest, PrefetchBelowAcquiredIssuesTheDeferredPrefetch) {
       ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, 1).ok());  // the MLP part
       EXPECT_EQ(harness.engine().stats().prefetched_tensors,
                 call ? std::min(kLayers - kKeepLast, kLayers - 1 - layer) : 0);
-      if (call) ASSERT_TRUE(harness.engine().PrefetchBelowAcquired(harness.compute()).ok());
+      if (call) {
+        ASSERT_TRUE(harness.engine().PrefetchBelowAcquired(harness.compute()).ok());
+      }
       harness.sim().Compute(harness.compute(), 15);  // the rest of the layer's backward
     }
     harness.DrainAndCheck();
@@ -1372,7 +1376,9 @@ TEST_F(EngineTest, ResetMidBackwardReleasesEverythingAndNextStepWorks) {
       const size_t consumed = harness.DrainAndCheck();
       EXPECT_EQ(consumed, 2u * static_cast<size_t>(std::max(0, 3 - keep_last - reclaimed_groups)));
       harness.ExpectQuiescent();
-      if (prefetch > 0) EXPECT_GT(harness.client().dropped_restores(), 0);
+      if (prefetch > 0) {
+        EXPECT_GT(harness.client().dropped_restores(), 0);
+      }
       ExpectPreResetEntriesAreGone(harness, saved);
       harness.engine().ResetStats();
       harness.RunStep(plan, 1);
