@@ -370,15 +370,20 @@ def checkpointed_peak(measured: StepMeasurement, tokens: int) -> int:
     measured allocations, grown with tokens, and the free pieces stranded beside them (cut
     from the layers' transients, which grow with tokens too)."""
     scale = max(1.0, tokens / measured.tokens)
-    growth = (scale - 1.0) * measured.activation_peak_bytes
-    return int(measured.peak_bytes + growth + scale * measured.stranded_bytes)
+    return int(_grown_allocations(measured, tokens) + scale * measured.stranded_bytes)
 
 
 def checkpointed_allocated_peak(measured: StepMeasurement, tokens: int) -> int:
     """The predicted allocated peak of a step of `tokens` with every layer checkpointed
     (checkpointed_peak without the stranded pieces)."""
+    return int(_grown_allocations(measured, tokens))
+
+
+def _grown_allocations(measured: StepMeasurement, tokens: int) -> float:
+    """The measured allocated peak, its activations grown to `tokens` (never shrunk: a
+    shorter step is bounded by the measured one)."""
     scale = max(1.0, tokens / measured.tokens)
-    return int(measured.peak_bytes + (scale - 1.0) * measured.activation_peak_bytes)
+    return measured.peak_bytes + (scale - 1.0) * measured.activation_peak_bytes
 
 
 def layer_phase_peak(measured: StepMeasurement, tokens: int) -> int:
