@@ -34,77 +34,80 @@ if ! python3 -c "import ckpt_offload._native" 2>/dev/null; then
     python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip_$part.log" 2>&1
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
-bench=$PWD/benchmarks/budget_bench.py
+bench_py=$PWD/benchmarks/budget_bench.py
 tests=$PWD/tests
+# bench NAME SECONDS ARGS...: budget_bench.py ARGS, its report in $OUT/NAME and its output in
+# $OUT/NAME.log, stopped after SECONDS.
+bench() {
+  local name=$1 seconds=$2
+  shift 2
+  timeout "$seconds" python3 "$bench_py" "$@" --out "$OUT/$name" > "$OUT/$name.log" 2>&1
+}
+# gpu_tests SECONDS TESTS...: pytest of TESTS (under tests/), its output in $OUT/pytest.log.
+gpu_tests() {
+  local seconds=$1
+  shift
+  (cd "$tests" && timeout "$seconds" python3 -m pytest -q -s -p no:cacheprovider "$@") \
+    > "$OUT/pytest.log" 2>&1
+}
 cd /tmp
 case $part in
   caps)
-    timeout 150 python3 "$bench" --configs llama3-8b:8192:full \
-      --modes ckpt,ckpt_offload,budget,budget_keep --budget 29GiB --rounds 3 --empty-cache \
-      --out "$OUT/today" > "$OUT/today.log" 2>&1
-    timeout 300 python3 "$bench" --configs llama3-8b:8192:40,llama3-8b:8192:80 \
-      --modes ckpt,budget,budget_keep --rounds 3 --empty-cache \
-      --out "$OUT/caps" > "$OUT/caps.log" 2>&1 ;;
+    bench today 150 --configs llama3-8b:8192:full \
+      --modes ckpt,ckpt_offload,budget,budget_keep --budget 29GiB --rounds 3 --empty-cache
+    bench caps 300 --configs llama3-8b:8192:40,llama3-8b:8192:80 \
+      --modes ckpt,budget,budget_keep --rounds 3 --empty-cache ;;
   full)
-    timeout 150 python3 "$bench" --configs llama3-8b:8192:full --modes ckpt,budget,none \
-      --rounds 3 --empty-cache --out "$OUT/full" > "$OUT/full.log" 2>&1
-    timeout 240 python3 "$bench" --configs llama3-8b:16384:80 --modes ckpt,budget,budget_keep \
-      --rounds 2 --empty-cache --out "$OUT/s16k" > "$OUT/s16k.log" 2>&1
-    (cd "$tests" && timeout 100 python3 -m pytest -q -s -p no:cacheprovider \
-      gpu/budget_gpu_test.py) > "$OUT/pytest.log" 2>&1 ;;
+    bench full 150 --configs llama3-8b:8192:full --modes ckpt,budget,none --rounds 3 \
+      --empty-cache
+    bench s16k 240 --configs llama3-8b:16384:80 --modes ckpt,budget,budget_keep --rounds 2 \
+      --empty-cache
+    gpu_tests 100 gpu/budget_gpu_test.py ;;
   var)
-    timeout 560 python3 "$bench" --var llama3-8b:4096:32768:100:80 \
-      --out "$OUT/var" > "$OUT/var.log" 2>&1 ;;
+    bench var 560 --var llama3-8b:4096:32768:100:80 ;;
   held)
     for row in 8192:38:ckpt,budget 16384:75:ckpt,budget; do
       IFS=: read -r seq gib modes <<< "$row"
-      timeout 170 python3 "$bench" --configs "llama3-8b:$seq:$gib" --modes "$modes" \
-        --budget "${gib}GiB" --rounds 2 --empty-cache \
-        --out "$OUT/held_${seq}_$gib" > "$OUT/held_${seq}_$gib.log" 2>&1
+      bench "held_${seq}_$gib" 170 --configs "llama3-8b:$seq:$gib" --modes "$modes" \
+        --budget "${gib}GiB" --rounds 2 --empty-cache
       rm -f "$OUT/held_${seq}_$gib/budget_bench.md"  # the log has its table (8 files come back)
     done ;;
   shares)
-    timeout 220 python3 "$bench" --configs llama3-8b:8192:full \
+    bench shares_29 220 --configs llama3-8b:8192:full \
       --modes ckpt,budget,budget@0.8,budget@0.95,budget@1.0 --budget 29GiB --rounds 3 \
-      --empty-cache --out "$OUT/shares_29" > "$OUT/shares_29.log" 2>&1
-    timeout 150 python3 "$bench" --configs llama3-8b:8192:40 --modes ckpt,budget,budget@0.95 \
-      --rounds 3 --empty-cache --out "$OUT/shares_40" > "$OUT/shares_40.log" 2>&1
+      --empty-cache
+    bench shares_40 150 --configs llama3-8b:8192:40 --modes ckpt,budget,budget@0.95 \
+      --rounds 3 --empty-cache
     rm -f "$OUT"/shares_*/budget_bench.md  # the logs have their tables (8 files come back)
-    (cd "$tests" && timeout 120 python3 -m pytest -q -s -p no:cacheprovider \
-      gpu/budget_gpu_test.py "gpu/torch_gpu_test.py::test_doctor_reports_the_engines_own_pinning_and_the_copies") \
-      > "$OUT/pytest.log" 2>&1 ;;
+    gpu_tests 120 gpu/budget_gpu_test.py \
+      "gpu/torch_gpu_test.py::test_doctor_reports_the_engines_own_pinning_and_the_copies" ;;
   res)
-    timeout 160 python3 "$bench" --configs llama3-8b:8192:full --modes ckpt,budget,budget_res \
-      --rounds 3 --empty-cache --out "$OUT/res_8k" > "$OUT/res_8k.log" 2>&1
-    timeout 260 python3 "$bench" --configs llama3-8b:16384:80 --modes ckpt,budget,budget_res \
-      --rounds 2 --empty-cache --out "$OUT/res_16k" > "$OUT/res_16k.log" 2>&1
+    bench res_8k 160 --configs llama3-8b:8192:full --modes ckpt,budget,budget_res --rounds 3 \
+      --empty-cache
+    bench res_16k 260 --configs llama3-8b:16384:80 --modes ckpt,budget,budget_res --rounds 2 \
+      --empty-cache
     rm -f "$OUT"/res_*/budget_bench.md ;;
   fair)
-    timeout 200 python3 "$bench" --configs llama3-8b:8192:full,llama3-8b:8192:80 \
-      --modes ckpt,budget,none,every_n --rounds 2 --empty-cache \
-      --out "$OUT/fair_8k" > "$OUT/fair_8k.log" 2>&1
-    timeout 200 python3 "$bench" --configs llama3-8b:32768:80 --modes ckpt,ckpt_offload,budget \
-      --rounds 2 --empty-cache --out "$OUT/fair_32k" > "$OUT/fair_32k.log" 2>&1
-    timeout 120 python3 "$bench" --configs llama3-1b:8192:full \
-      --modes ckpt,budget,none,every_n --rounds 3 --empty-cache \
-      --out "$OUT/fair_1b" > "$OUT/fair_1b.log" 2>&1
+    bench fair_8k 200 --configs llama3-8b:8192:full,llama3-8b:8192:80 \
+      --modes ckpt,budget,none,every_n --rounds 2 --empty-cache
+    bench fair_32k 200 --configs llama3-8b:32768:80 --modes ckpt,ckpt_offload,budget \
+      --rounds 2 --empty-cache
+    bench fair_1b 120 --configs llama3-1b:8192:full \
+      --modes ckpt,budget,none,every_n --rounds 3 --empty-cache
     rm -f "$OUT"/fair_*/budget_bench.md ;;
   predict)
-    timeout 100 python3 "$bench" --configs llama3-1b:8192:full --modes ckpt,budget,none \
-      --rounds 3 --empty-cache --out "$OUT/predict_1b" > "$OUT/predict_1b.log" 2>&1
-    timeout 200 python3 "$bench" --configs llama3-8b:8192:full,llama3-8b:8192:80,llama3-8b:16384:80 \
-      --modes ckpt,budget,none --rounds 2 --empty-cache \
-      --out "$OUT/predict_8b" > "$OUT/predict_8b.log" 2>&1
+    bench predict_1b 100 --configs llama3-1b:8192:full --modes ckpt,budget,none --rounds 3 \
+      --empty-cache
+    bench predict_8b 200 \
+      --configs llama3-8b:8192:full,llama3-8b:8192:80,llama3-8b:16384:80 \
+      --modes ckpt,budget,none --rounds 2 --empty-cache
     rm -f "$OUT"/predict_*/budget_bench.md
-    (cd "$tests" && timeout 130 python3 -m pytest -q -s -p no:cacheprovider \
-      gpu/budget_gpu_test.py) > "$OUT/pytest.log" 2>&1 ;;
+    gpu_tests 130 gpu/budget_gpu_test.py ;;
   long)
-    timeout 200 python3 "$bench" --var llama3-8b:28672:32768:12:80 \
-      --out "$OUT/long" > "$OUT/long.log" 2>&1 ;;
+    bench long 200 --var llama3-8b:28672:32768:12:80 ;;
   liger)
-    timeout 200 python3 "$bench" --loss liger --configs llama3-8b:8192:80,llama3-8b:16384:80 \
-      --modes ckpt,ckpt_offload,budget --rounds 2 --empty-cache \
-      --out "$OUT/liger" > "$OUT/liger.log" 2>&1
+    bench liger 200 --loss liger --configs llama3-8b:8192:80,llama3-8b:16384:80 \
+      --modes ckpt,ckpt_offload,budget --rounds 2 --empty-cache
     rm -f "$OUT"/liger/budget_bench.md ;;
 esac
 echo "part $part done"
