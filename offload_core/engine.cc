@@ -819,8 +819,9 @@ absl::Status OffloadEngine::PrefetchBelowAcquired(StreamHandle compute) {
   Impl& s = *impl_;
   EngineLock lock(&s.mu);
   CKPT_RETURN_IF_ERROR(s.Poll());
-  if (!s.in_backward || s.last_acquired == 0) return absl::OkStatus();
-  return s.Prefetch(s.last_acquired, compute);
+  if (!s.in_backward) return absl::OkStatus();
+  // Nothing acquired yet: every group lies below the point backward has reached.
+  return s.Prefetch(s.last_acquired != 0 ? s.last_acquired : s.next_group, compute);
 }
 
 void OffloadEngine::SetPrefetchOnAcquire(bool on) {

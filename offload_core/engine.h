@@ -187,8 +187,10 @@ class OffloadEngine {
   absl::Status PrefetchGroup(GroupId group, StreamHandle compute);
 
   // Restores the next prefetch_depth offloaded groups below the checkpoint group acquired
-  // last (eager groups aside), ahead of their Acquire; nothing before the first Acquire
-  // of a backward. With prefetch_on_acquire false this is the only prefetch of those
+  // last (eager groups aside), ahead of their Acquire; before the first Acquire of a
+  // backward, the newest offloaded groups (backward has begun above every group: layers
+  // whose saved tensors stayed on the device, a fused loss that offloaded nothing);
+  // nothing in forward. With prefetch_on_acquire false this is the only prefetch of those
   // groups: a caller that knows when the acquired group's own backward is past its memory
   // peak calls it then, so that the restored buffers do not add to that peak. A group not
   // prefetched is restored at its Acquire (the compute stream waits for it).

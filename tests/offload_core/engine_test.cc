@@ -1277,6 +1277,46 @@ TEST_F(EngineTest, PrefetchBelowAcquiredIssuesTheDeferredPrefetch) {
   }
 }
 
+TEST_F(EngineTest, PrefetchBelowAcquiredBeforeAnyAcquireRestoresTheNewestGroups) {
+  // Backward begins above every group (layers whose saved tensors stayed on the device, a
+  // fused loss that offloaded nothing) and acquires nothing for a while. Asked for the
+  // groups below when that stretch's last 25 us begin, the engine restores the newest
+  // offloaded group during them (the 10 us copy hides); not asked, that group's Acquire
+  // waits for its whole copy. Each later group is prefetched from its upper neighbour's
+  // backward as before. keep_last 0: every group is offloaded, the newest one included.
+  const size_t kB = kTenMicrosecondBytes;
+  const int kLayers = 4;
+  for (bool call : {true, false}) {
+    SCOPED_TRACE(absl::StrCat("PrefetchBelowAcquired called first: ", call));
+    EngineOptions options = Options(0, 1);
+    options.prefetch_on_acquire = false;
+    EngineHarness harness(options);
+    harness.engine().ResetStats();
+    const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 10);
+    SavedLayers saved;
+    ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+    ASSERT_TRUE(harness.engine().EndForward().ok());
+    if (call) {
+      ASSERT_TRUE(harness.engine().PrefetchBelowAcquired(harness.compute()).ok());
+      // The newest group only: prefetch_depth 1.
+      EXPECT_EQ(harness.engine().stats().prefetched_tensors, 1);
+    }
+    harness.sim().Compute(harness.compute(), 25);  // the stretch above every group
+    for (int layer = kLayers - 1; layer >= 0; --layer) {
+      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, 1).ok());
+      ASSERT_TRUE(harness.engine().PrefetchBelowAcquired(harness.compute()).ok());
+      harness.sim().Compute(harness.compute(), 15);
+    }
+    harness.DrainAndCheck();
+    harness.ExpectQuiescent();
+    const EngineStats stats = harness.engine().stats();
+    EXPECT_EQ(stats.restored_tensors, kLayers);
+    EXPECT_EQ(stats.prefetched_tensors, call ? kLayers : kLayers - 1);
+    ExpectNear(harness.sim().blocked_us(harness.compute()), call ? 0 : CopyUs(kB, 55),
+               "compute blocked");
+  }
+}
+
 TEST_F(EngineTest, SetPrefetchOnAcquireTurnsTheAcquirePrefetchBackOn) {
   const size_t kB = kTenMicrosecondBytes;
   EngineOptions options = Options(1, 1);
