@@ -404,6 +404,60 @@ def test_a_step_that_offloads_outputs_prefetches_as_each_recompute_begins(offloa
     handle.disable()
 
 
+class FusedLoss(torch.autograd.Function):
+    """Cross-entropy of `hidden @ weight.T` whose gradients are computed in forward, as
+    fused linear cross-entropy kernels do: its backward only scales them, so the loss
+    restores nothing ahead of the layers below it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels):
+        flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+        logits = (flat_hidden @ weight.t()).float()
+        rows = torch.arange(logits.shape[0])
+        loss = torch.nn.functional.cross_entropy(logits, labels.reshape(-1))
+        grad_logits = logits.softmax(-1)
+        grad_logits[rows, labels.reshape(-1)] -= 1
+        grad_logits = (grad_logits / logits.shape[0]).to(hidden.dtype)
+        ctx.save_for_backward((grad_logits @ weight).view_as(hidden),
+                              grad_logits.t() @ flat_hidden)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return grad_hidden * grad_loss, grad_weight * grad_loss, None
+
+
+@pytest.mark.parametrize("offloading", [False, True])
+def test_resident_layers_over_a_fused_loss_prefetch_the_first_layer_below(offloading):
+    """Under a fused loss, the lowest resident layer's backward prefetches the first
+    checkpointed layer below it, so every restore of the step is issued ahead of need
+    (nothing else would restore that layer before its recompute asks for it)."""
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    offloaded = frozenset({("aten.mm.default", 0)}) if offloading else frozenset()
+    below = LAYERS // 2
+    handle._budget._plans[(64, False)] = LayerPlan(
+        tokens=64, budget_bytes=1 << 40, modes=(CHECKPOINT,) * below + (RESIDENT,) * below,
+        predicted_peak_bytes=0, predicted_seconds_saved=0.0, checkpointed_peak_bytes=0,
+        offloaded_outputs=(offloaded,) * below + (frozenset(),) * below)
+    events = []
+    prefetch = handle.engine.prefetch_ahead
+    handle.engine.prefetch_ahead = lambda: (events.append("prefetch"), prefetch())[1]
+    model.train()
+    for ids in batches([32] * 3):
+        events.clear()
+        hidden = model.model(input_ids=ids).last_hidden_state
+        FusedLoss.apply(hidden, model.lm_head.weight, ids).backward()
+    assert handle.layer_modes() == [CHECKPOINT] * below + [RESIDENT] * below
+    stats = handle.stats()
+    assert stats["head_offloaded_tensors"] == 0
+    assert stats["restored_tensors"] >= below
+    assert stats["prefetched_tensors"] == stats["restored_tensors"]
+    assert events == ["prefetch"] * (below + 1)  # the lowest resident layer's, then each one's
+    handle.disable()
+
+
 def test_a_dropped_step_frees_its_offloaded_outputs():
     """A forward whose loss is dropped (no backward): what its layers offloaded goes back to
     the pool by the next step."""

@@ -736,7 +736,13 @@ class _OffloadingCheckpoint:
             # group all the same (its input is offloaded if saved): the tensors saved after
             # the last group are the model's head, and a resident layer's are not.
             with ckpt_offload.mark_checkpoint_inputs(*tensors), budget.saving_storages(layer):
-                return function(*args)
+                output = function(*args)
+            if self.handle._defer_prefetch and budget.is_lowest_resident(layer):
+                # Backward reaches the layers below once this one's is done, and a loss that
+                # offloaded nothing (a fused one) restores nothing ahead of them: the first
+                # is prefetched as this layer's backward begins, hidden by it.
+                _prefetch_at_gradient(self.handle.engine, output)
+            return output
         kwargs.pop("use_reentrant", None)
         options = {**self.options, **kwargs, "use_reentrant": False}
         if budget.measuring():
@@ -834,6 +840,21 @@ class _PrefetchAfterMlp:
 
     def _prefetch(self, grad) -> None:
         self.engine.prefetch_ahead()
+
+
+def _prefetch_at_gradient(engine, output) -> None:
+    """Prefetches the groups below the acquired one (all of them, before any acquire) once
+    the gradient of `output`'s first tensor that needs one is ready: its layer's backward
+    begins."""
+    tensors = output if isinstance(output, (tuple, list)) else (output,)
+    first = next((t for t in tensors if isinstance(t, torch.Tensor)), None)
+    if first is None or not first.requires_grad:
+        return
+
+    def prefetch(grad) -> None:
+        engine.prefetch_ahead()
+
+    first.register_hook(prefetch)
 
 
 def _hidden_states_as_positional(function: Callable, args: tuple):

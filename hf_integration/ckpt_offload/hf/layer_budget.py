@@ -643,6 +643,16 @@ class LayerBudget:
         index = self.layer_index.get(layer)
         return CHECKPOINT if index is None else self.plan.modes[index]
 
+    def is_lowest_resident(self, layer: Optional[nn.Module]) -> bool:
+        """Whether `layer` is RESIDENT in the running step and the layer below it is not
+        (the plan's resident layers are the last ones): backward reaches the layers below
+        right after this one's."""
+        index = self.layer_index.get(layer) if layer is not None else None
+        if self.plan is None or index is None or index == 0:
+            return False
+        modes = self.plan.modes
+        return modes[index] == RESIDENT and modes[index - 1] != RESIDENT
+
     def kept(self, layer: Optional[nn.Module]) -> FrozenSet[OpKey]:
         """The ops whose outputs `layer` keeps in the running step (a SELECTIVE layer's)."""
         index = self.layer_index.get(layer) if layer is not None else None
