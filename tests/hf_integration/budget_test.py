@@ -432,9 +432,13 @@ class FusedLoss(torch.autograd.Function):
 def test_resident_layers_over_a_fused_loss_prefetch_the_first_layer_below(offloading):
     """Under a fused loss, the lowest resident layer's backward prefetches the first
     checkpointed layer below it, so every restore of the step is issued ahead of need
-    (nothing else would restore that layer before its recompute asks for it)."""
-    model = checkpointed(llama())
-    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    (nothing else would restore that layer before its recompute asks for it). The final
+    norm's tensors stay on the device too (offload_head=False), as under Liger's loss on the
+    GPU: their restore would prefetch the layers below. In bfloat16, as LLMs train: a float32
+    layer's norm saves its input itself, so resident layers' inputs would be offloaded too."""
+    model = checkpointed(llama().to(torch.bfloat16))
+    handle = enable_activation_offload(model, memory_budget="1TiB", offload_head=False,
+                                       **HOST)
     offloaded = frozenset({("aten.mm.default", 0)}) if offloading else frozenset()
     below = LAYERS // 2
     handle._budget._plans[(64, False)] = LayerPlan(
