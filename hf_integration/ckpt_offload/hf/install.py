@@ -733,9 +733,14 @@ class _OffloadingCheckpoint:
             # The memory budget's plan: this layer's saved tensors stay on the device, but for
             # the storages its plan offloads within its copy window, and it is not
             # recomputed (its random ops run once, as checkpointing's replay does). It is a
-            # group all the same (its input is offloaded if saved): the tensors saved after
-            # the last group are the model's head, and a resident layer's are not.
-            with ckpt_offload.mark_checkpoint_inputs(*tensors), budget.saving_storages(layer):
+            # group all the same: the tensors saved after the last group are the model's
+            # head, and a resident layer's are not. The group is tagged with detached aliases
+            # of the inputs (they give it its device), so that the input, where the layer
+            # saves it, stays too: the plan counts it among the layer's saved bytes, and an
+            # offloaded one would come back once per node that saved it, each restore on
+            # demand (a float32 residual stream's norm saves its input itself).
+            aliases = [t.detach() for t in tensors]
+            with ckpt_offload.mark_checkpoint_inputs(*aliases), budget.saving_storages(layer):
                 output = function(*args)
             if self.handle._defer_prefetch and budget.is_lowest_resident(layer):
                 # Backward reaches the layers below once this one's is done, and a loss that
