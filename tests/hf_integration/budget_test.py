@@ -830,6 +830,36 @@ def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one(
     handle.disable()
 
 
+def test_a_step_far_shorter_than_every_measured_one_is_measured_itself(monkeypatch):
+    """A step more than MEASURED_LENGTH_RATIO times shorter than every measured one is
+    measured (its peak, far below the longer step's, would otherwise be planned as that
+    one's), and a step within the ratio of a measurement is planned from it."""
+    keep_outputs_on_device(monkeypatch)
+    lengths = [64, 64, 64, 24, 24, 40]  # tokens: 128, 128, 128, 48, 48, 80
+    long = measurement_of(llama, [64] * 3)
+    budget = budget_for(long, 128, 2)
+    expected = run(checkpointed(llama()), batches(lengths))
+
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    plan_from(handle, long)
+    actual, steps = metered_run(model, handle, batches(lengths), lambda step: False)
+    assert_identical(expected, actual)
+    assert [stats["budget_measuring"] for stats, _ in steps] == [0, 0, 0, 1, 0, 0]
+    assert sorted(handle._budget.measurements) == [48, 128]
+    short = handle._budget.measurements[48]
+    assert short.peak_bytes < long.peak_bytes
+    # The short step's plan comes from its own measurement, and spends the memory the long
+    # step's peak would have taken.
+    stats = steps[4][0]
+    assert stats["budget_tokens"] == 48
+    from_short = plan_layers(short, 48, budget)
+    assert stats["budget_resident_layers"] == from_short.count(RESIDENT)
+    assert from_short.count(RESIDENT) > plan_layers(long, 48, budget).count(RESIDENT)
+    assert steps[5][0]["budget_tokens"] == 80  # planned from the 128-token measurement
+    handle.disable()
+
+
 def test_the_measured_steps_stranded_pieces_count_in_its_peak(monkeypatch):
     """What the allocator's meter reads as stranded when the measured step's head begins
     (free pieces no fresh logits block can use) is part of the checkpointed step's reserved
