@@ -228,10 +228,11 @@ def run_config(shape: str, seq: int, cap: str, rounds: int, names, base, budget=
                 budget=budget, loss=loss, same_first_loss=len(losses) <= 1)
 
 
-def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict:
+def run_var(shape: str, low: int, high: int, steps: int, cap: str, base,
+            measured_length_ratio: Optional[float] = None) -> Dict:
     """`steps` steps of lengths drawn uniformly from [low, high] (multiples of 256) with
-    memory_budget="auto" under `cap`: per step its length, time, peaks, the plan's
-    prediction, and any OOM."""
+    memory_budget="auto" under `cap` (and the budget's measured_length_ratio): per step its
+    length, time, peaks, the plan's prediction, and any OOM."""
     from ckpt_offload.hf import enable_activation_offload
 
     cap_bytes = set_cap(cap)
@@ -239,6 +240,9 @@ def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict
     torch.cuda.empty_cache()
     model = lora_model(base)
     handle = enable_activation_offload(model, memory_budget="auto")
+    if measured_length_ratio is not None:
+        handle._budget.measured_length_ratio = measured_length_ratio
+    measured_length_ratio = handle._budget.measured_length_ratio
     mode = Mode("budget", model, handle)
     generator = torch.Generator().manual_seed(7)
     records = []
@@ -266,7 +270,7 @@ def run_var(shape: str, low: int, high: int, steps: int, cap: str, base) -> Dict
         print(json.dumps(records[-1]), flush=True)
     handle.disable()
     return dict(shape=shape, cap=cap, cap_gib=cap_bytes / GIB, low=low, high=high,
-                records=records)
+                measured_length_ratio=measured_length_ratio, records=records)
 
 
 def var_table(run) -> str:
@@ -353,6 +357,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--configs", default="")
     parser.add_argument("--var", default="",
                         help="shape:low:high:steps:cap, e.g. llama3-8b:4096:32768:100:80")
+    parser.add_argument("--measured-length-ratio", type=float, default=None,
+                        help="--var: plan a step only from a measurement at most this many "
+                             "times as long (default: the budget's, off)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--budget", default="auto",
@@ -371,7 +378,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     bases = {}
     if args.var:
         shape, low, high, steps, cap = args.var.split(":")
-        run = run_var(shape, int(low), int(high), int(steps), cap, base_model(shape))
+        run = run_var(shape, int(low), int(high), int(steps), cap, base_model(shape),
+                      args.measured_length_ratio)
         report["var"] = run
         text = var_table(run)
         print(text, flush=True)

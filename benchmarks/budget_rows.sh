@@ -22,6 +22,8 @@
 #   long   12 steps of random lengths in [28672, 32768] under "auto", the whole card (80 GiB
 #          on the H100): the long changed-length steps whose logits reserve leaves no room
 #          beside their checkpointed peak
+#   var_ratio the var run with measured_length_ratio 2: a step more than twice as short as
+#          every measured one is measured itself (MEASURED_LENGTH_RATIO, off by default)
 #   liger  Liger's fused linear cross-entropy (.peers/site, tools/gpu_peers.sh): 8B at 80 GiB,
 #          s8k and s16k, with ckpt_offload today beside the budget
 set -u
@@ -105,6 +107,8 @@ case $part in
     gpu_tests 130 gpu/budget_gpu_test.py ;;
   long)
     bench long 200 --var llama3-8b:28672:32768:12:80 ;;
+  var_ratio)
+    bench var_ratio 560 --var llama3-8b:4096:32768:100:80 --measured-length-ratio 2 ;;
   liger)
     bench liger 200 --loss liger --configs llama3-8b:8192:80,llama3-8b:16384:80 \
       --modes ckpt,ckpt_offload,budget --rounds 2 --empty-cache

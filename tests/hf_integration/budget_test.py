@@ -830,10 +830,12 @@ def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one(
     handle.disable()
 
 
-def test_a_step_far_shorter_than_every_measured_one_is_measured_itself(monkeypatch):
-    """A step more than MEASURED_LENGTH_RATIO times shorter than every measured one is
-    measured (its peak, far below the longer step's, would otherwise be planned as that
-    one's), and a step within the ratio of a measurement is planned from it."""
+@pytest.mark.parametrize("ratio", [None, 2])
+def test_a_step_far_shorter_than_every_measured_one_is_measured_itself(monkeypatch, ratio):
+    """With a measured-length ratio (off by default), a step more than that many times
+    shorter than every measured one is measured (its peak, far below the longer step's,
+    would otherwise be planned as that one's), and a step within the ratio of a measurement
+    is planned from it. Without one, every shorter step is planned from the longer step."""
     keep_outputs_on_device(monkeypatch)
     lengths = [64, 64, 64, 24, 24, 40]  # tokens: 128, 128, 128, 48, 48, 80
     long = measurement_of(llama, [64] * 3)
@@ -842,10 +844,19 @@ def test_a_step_far_shorter_than_every_measured_one_is_measured_itself(monkeypat
 
     model = checkpointed(llama())
     handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    assert handle._budget.measured_length_ratio is None
+    handle._budget.measured_length_ratio = ratio
     plan_from(handle, long)
     actual, steps = metered_run(model, handle, batches(lengths), lambda step: False)
     assert_identical(expected, actual)
-    assert [stats["budget_measuring"] for stats, _ in steps] == [0, 0, 0, 1, 0, 0]
+    measuring = [stats["budget_measuring"] for stats, _ in steps]
+    if ratio is None:
+        assert measuring == [0] * 6 and sorted(handle._budget.measurements) == [128]
+        assert steps[4][0]["budget_resident_layers"] == plan_layers(long, 48, budget).count(
+            RESIDENT)
+        handle.disable()
+        return
+    assert measuring == [0, 0, 0, 1, 0, 0]
     assert sorted(handle._budget.measurements) == [48, 128]
     short = handle._budget.measurements[48]
     assert short.peak_bytes < long.peak_bytes

@@ -4,28 +4,29 @@
 Steps, counted from 1 after installation:
 - the first step runs with every layer checkpointed, as without a budget (its warm-up would
   distort times);
-- a measured step (the second, and later each step with no measured step from its own length
-  to MEASURED_LENGTH_RATIO times it) also runs with every layer checkpointed, and each
-  layer's recompute in backward is measured: the bytes of the tensors it saves (each storage
-  once; the layer's parameters and storages that several layers save, such as rotary tables
-  and masks, not counted), its time (on CUDA its forward's, timed with events: the same ops
-  as the recompute without the meter's host work, which leaves the device idle between ops;
-  on CPU, where plans serve correctness, its recompute's wall clock), and each op that could
-  keep its output for a selective layer (see "Kept outputs") with its output's bytes and its
-  own time. The step's peak is the memory allocated as it began plus the peak profiler's
-  figure for the same step (on CPU: that figure alone; the step's own tensors are all the
-  budget counts there);
+- a measured step (the second, later each step longer than every one measured so far, and
+  with MEASURED_LENGTH_RATIO set, each with no measured step from its own length to that
+  ratio times it) also runs with every layer checkpointed, and each layer's recompute in
+  backward is measured: the bytes of the tensors it saves (each storage once; the layer's
+  parameters and storages that several layers save, such as rotary tables and masks, not
+  counted), its time (on CUDA its forward's, timed with events: the same ops as the
+  recompute without the meter's host work, which leaves the device idle between ops; on CPU,
+  where plans serve correctness, its recompute's wall clock), and each op that could keep
+  its output for a selective layer (see "Kept outputs") with its output's bytes and its own
+  time. The step's peak is the memory allocated as it began plus the peak profiler's figure
+  for the same step (on CPU: that figure alone; the step's own tensors are all the budget
+  counts there);
 - every other step is planned for its own token count (a plan per count, kept) from the
   shortest measured step at least as long: bytes per token grow with length (attention that
   materializes its scores), never shrink, so the longer step's figures bound the shorter
-  one's (its peak, not scaled down, bounds it loosely: hence the ratio). The layers the plan
-  makes resident run without checkpointing (their GradientCheckpointingLayer calls the
-  function directly); the others are checkpointed with their inputs offloaded, selective
-  ones keeping their chosen outputs through torch's selective checkpointing (context_fn). A
-  step whose length differs from the previous step's is planned with room kept free for its
-  largest block (ckpt_offload.budget, "Lengths that change"): the LM head's float32 logits
-  (vocabulary x 4 bytes per token), bounded by the measured head stretch's peak (small with
-  a fused loss, which makes no logits).
+  one's (its peak, not scaled down, bounds it loosely: see MEASURED_LENGTH_RATIO). The
+  layers the plan makes resident run without checkpointing (their GradientCheckpointingLayer
+  calls the function directly); the others are checkpointed with their inputs offloaded,
+  selective ones keeping their chosen outputs through torch's selective checkpointing
+  (context_fn). A step whose length differs from the previous step's is planned with room
+  kept free for its largest block (ckpt_offload.budget, "Lengths that change"): the LM
+  head's float32 logits (vocabulary x 4 bytes per token), bounded by the measured head
+  stretch's peak (small with a fused loss, which makes no logits).
 
 A layer that its model's own settings do not checkpoint (every_n_layers, a per-layer flag)
 never reaches the checkpoint function: it is resident already, inside the measured peak,
@@ -83,13 +84,16 @@ GIB = float(1 << 30)
 # The micro-step whose recomputes are measured.
 MEASURED_STEP = 2
 
-# A step is planned from a measured step at most this many times as long; a shorter one is
-# measured itself. A longer step's bytes and times per token bound a shorter one's, but its
-# peak is not scaled down (what does not grow with tokens, such as a full fine-tune's
+# With a ratio R, a step is planned from a measured step at most R times as long; a shorter
+# one is measured itself. A longer step's bytes and times per token bound a shorter one's, but
+# its peak is not scaled down (what does not grow with tokens, such as a full fine-tune's
 # gradients, is in it), so a far longer measurement leaves a short step most of the memory it
 # could use: on the H100 (8B, random lengths in [4k, 32k], all planned from a 27.9k step) a
-# 6.4k step planned 4 resident layers for a predicted 70.6 GiB and allocated 36.
-MEASURED_LENGTH_RATIO = 2
+# 6.4k step planned 4 resident layers for a predicted 70.6 GiB and allocated 36. Off (None:
+# any longer measurement) until measured on the GPU: short steps would then allocate close
+# to the budget while lengths change, where out-of-memory errors came from before the
+# logits reserve (`budget_rows.sh var_ratio` runs the random lengths with R = 2).
+MEASURED_LENGTH_RATIO: Optional[float] = None
 
 # stats() keys of a budget (zeros until a plan exists).
 STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers",
@@ -602,6 +606,8 @@ class LayerBudget:
         self.copy_window_share = policy.COPY_WINDOW_SHARE
         # Whether resident layers offload saved storages (None: the policy's default).
         self.resident_storage_offload: Optional[bool] = None
+        # The longest measurement a step is planned from, in its own lengths (None: any).
+        self.measured_length_ratio: Optional[float] = MEASURED_LENGTH_RATIO
         self.planned_copy_bytes_per_second = 0.0  # the rate the latest plan used
         self._probes: Optional[Dict[nn.Module, _LayerProbe]] = None
         self._seen: Dict[int, Any] = {}  # address -> (weak ref, first layer) in the measured step
@@ -689,11 +695,12 @@ class LayerBudget:
 
     def _covering(self, tokens: int) -> Optional[StepMeasurement]:
         """The shortest measured step of at least `tokens` (what a step of `tokens` is
-        planned from), or None, also when that is more than MEASURED_LENGTH_RATIO times as
+        planned from), or None, also when that is more than measured_length_ratio times as
         long. (A plan's measurement stays its covering one: a step is measured only when no
         measurement lies between its length and that ratio times it.)"""
         covering = [t for t in self.measurements if t >= tokens]
-        if not covering or min(covering) > MEASURED_LENGTH_RATIO * tokens:
+        ratio = self.measured_length_ratio
+        if not covering or (ratio is not None and min(covering) > ratio * tokens):
             return None
         return self.measurements[min(covering)]
 
