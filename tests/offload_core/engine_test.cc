@@ -1237,6 +1237,19 @@ TEST_F(EngineTest, PrefetchGroupHidesTheHeadRestoreAndTheLayersBelowIt) {
   }
 }
 
+// A harness whose engine leaves the prefetch to PrefetchBelowAcquired (prefetch_on_acquire
+// off, depth 1), its stats reset, after the forward of `layers` layers of one entry of
+// `bytes` each (20 us each), their saved tensors in `saved`.
+std::unique_ptr<EngineHarness> DeferredPrefetchForward(int keep_last, int layers, size_t bytes,
+                                                       SavedLayers* saved) {
+  EngineOptions options = Options(keep_last, 1);
+  options.prefetch_on_acquire = false;
+  auto harness = std::make_unique<EngineHarness>(options);
+  harness->engine().ResetStats();
+  EXPECT_TRUE(harness->Forward(UniformPlan(layers, bytes, 1, 20, 10), 0, saved).ok());
+  return harness;
+}
+
 TEST_F(EngineTest, PrefetchBelowAcquiredIssuesTheDeferredPrefetch) {
   // prefetch_on_acquire off: Acquire of a layer restores only that layer; the caller asks
   // for the layer below once the layer's backward is past its peak (here after the first
@@ -1248,18 +1261,14 @@ TEST_F(EngineTest, PrefetchBelowAcquiredIssuesTheDeferredPrefetch) {
   const int kKeepLast = 1;
   for (bool call : {true, false}) {
     SCOPED_TRACE(absl::StrCat("PrefetchBelowAcquired called: ", call));
-    EngineOptions options = Options(kKeepLast, 1);
-    options.prefetch_on_acquire = false;
-    EngineHarness harness(options);
-    harness.engine().ResetStats();
-    const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 10);
     SavedLayers saved;
-    ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+    std::unique_ptr<EngineHarness> made = DeferredPrefetchForward(kKeepLast, kLayers, kB, &saved);
+    EngineHarness& harness = *made;
     ASSERT_TRUE(harness.sim().SynchronizeAll().ok());  // no layer is reclaimed
     EXPECT_TRUE(harness.engine().PrefetchBelowAcquired(harness.compute()).ok());  // no-op
     EXPECT_EQ(harness.engine().stats().restored_tensors, 0);
     for (int layer = kLayers - 1; layer >= 0; --layer) {
-      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, 1).ok());  // the MLP part
+      ASSERT_TRUE(harness.Backward(&saved, 10, true, 1).ok());  // the MLP part
       EXPECT_EQ(harness.engine().stats().prefetched_tensors,
                 call ? std::min(kLayers - kKeepLast, kLayers - 1 - layer) : 0);
       if (call) {
@@ -1288,13 +1297,9 @@ TEST_F(EngineTest, PrefetchBelowAcquiredBeforeAnyAcquireRestoresTheNewestGroups)
   const int kLayers = 4;
   for (bool call : {true, false}) {
     SCOPED_TRACE(absl::StrCat("PrefetchBelowAcquired called first: ", call));
-    EngineOptions options = Options(0, 1);
-    options.prefetch_on_acquire = false;
-    EngineHarness harness(options);
-    harness.engine().ResetStats();
-    const StepPlan plan = UniformPlan(kLayers, kB, 1, 20, 10);
     SavedLayers saved;
-    ASSERT_TRUE(harness.Forward(plan, 0, &saved).ok());
+    std::unique_ptr<EngineHarness> made = DeferredPrefetchForward(0, kLayers, kB, &saved);
+    EngineHarness& harness = *made;
     ASSERT_TRUE(harness.engine().EndForward().ok());
     if (call) {
       ASSERT_TRUE(harness.engine().PrefetchBelowAcquired(harness.compute()).ok());
@@ -1303,7 +1308,7 @@ TEST_F(EngineTest, PrefetchBelowAcquiredBeforeAnyAcquireRestoresTheNewestGroups)
     }
     harness.sim().Compute(harness.compute(), 25);  // the stretch above every group
     for (int layer = kLayers - 1; layer >= 0; --layer) {
-      ASSERT_TRUE(harness.Backward(&saved, plan.backward_us, true, 1).ok());
+      ASSERT_TRUE(harness.Backward(&saved, 10, true, 1).ok());
       ASSERT_TRUE(harness.engine().PrefetchBelowAcquired(harness.compute()).ok());
       harness.sim().Compute(harness.compute(), 15);
     }
