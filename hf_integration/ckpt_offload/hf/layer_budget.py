@@ -650,43 +650,42 @@ class LayerBudget:
             plan = self._plans[(tokens, changed)] = self._plan_for(covering, tokens, changed)
         self.plan = self.latest_plan = plan
 
+    def _planned_index(self, layer: Optional[nn.Module]) -> Optional[int]:
+        """`layer`'s index in the running step's plan; None without a plan, or for a layer
+        the budget does not know (None included)."""
+        return None if self.plan is None else self.layer_index.get(layer)
+
     def mode(self, layer: Optional[nn.Module]) -> str:
         """The running step's mode for `layer` (CHECKPOINT without a plan)."""
-        if self.plan is None or layer is None:
-            return CHECKPOINT
-        index = self.layer_index.get(layer)
+        index = self._planned_index(layer)
         return CHECKPOINT if index is None else self.plan.modes[index]
 
     def is_lowest_resident(self, layer: Optional[nn.Module]) -> bool:
         """Whether `layer` is RESIDENT in the running step and the layer below it is not
         (the plan's resident layers are the last ones): backward reaches the layers below
         right after this one's."""
-        index = self.layer_index.get(layer) if layer is not None else None
-        if self.plan is None or index is None or index == 0:
+        index = self._planned_index(layer)
+        if index is None or index == 0:
             return False
         modes = self.plan.modes
         return modes[index] == RESIDENT and modes[index - 1] != RESIDENT
 
     def kept(self, layer: Optional[nn.Module]) -> FrozenSet[OpKey]:
         """The ops whose outputs `layer` keeps in the running step (a SELECTIVE layer's)."""
-        index = self.layer_index.get(layer) if layer is not None else None
-        if self.plan is None or index is None:
-            return frozenset()
-        return self.plan.kept(index)
+        index = self._planned_index(layer)
+        return frozenset() if index is None else self.plan.kept(index)
 
     def offloaded(self, layer: Optional[nn.Module]) -> FrozenSet[OpKey]:
         """The ops whose outputs `layer` offloads in the running step."""
-        index = self.layer_index.get(layer) if layer is not None else None
-        if self.plan is None or index is None:
-            return frozenset()
-        return self.plan.offloaded(index)
+        index = self._planned_index(layer)
+        return frozenset() if index is None else self.plan.offloaded(index)
 
     def saving_storages(self, layer: Optional[nn.Module]):
         """A context for a RESIDENT `layer`'s forward in the running step: the saved
         storages its plan offloads go to the engine with its group (nothing to do for the
         others)."""
-        index = self.layer_index.get(layer) if layer is not None else None
-        if self.plan is None or index is None or not self.plan.offloaded_storages(index):
+        index = self._planned_index(layer)
+        if index is None or not self.plan.offloaded_storages(index):
             return contextlib.nullcontext()
         cost = self._covering(self.plan.tokens).layers[index]  # the plan's measurement
         sizes = {ordinal: int(round(cost.storages[ordinal] * self.plan.tokens))
