@@ -103,6 +103,15 @@ def plan_from(handle, measured):
     handle._budget.measurements[measured.tokens] = measured
 
 
+def recorded_prefetches(handle):
+    """A list that gets "prefetch" each time the handle's engine is asked to prefetch ahead
+    (the call still goes through)."""
+    events = []
+    prefetch = handle.engine.prefetch_ahead
+    handle.engine.prefetch_ahead = lambda: (events.append("prefetch"), prefetch())[1]
+    return events
+
+
 def checkpointed(model):
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
@@ -387,9 +396,7 @@ def test_a_step_that_offloads_outputs_prefetches_as_each_recompute_begins(offloa
         tokens=64, budget_bytes=1 << 40, modes=(CHECKPOINT,) * LAYERS, predicted_peak_bytes=0,
         predicted_seconds_saved=0.0, checkpointed_peak_bytes=0,
         offloaded_outputs=(offloaded,) * LAYERS)
-    events = []
-    prefetch = handle.engine.prefetch_ahead
-    handle.engine.prefetch_ahead = lambda: (events.append("prefetch"), prefetch())[1]
+    events = recorded_prefetches(handle)
     def note_mlp_backward(module, inputs, output):  # the MLP's input gradient is ready
         if inputs[0].requires_grad:
             inputs[0].register_hook(lambda grad: events.append("mlp backward"))
@@ -448,9 +455,7 @@ def test_resident_layers_over_a_fused_loss_prefetch_the_first_layer_below(offloa
         tokens=64, budget_bytes=1 << 40, modes=(CHECKPOINT,) * below + (RESIDENT,) * below,
         predicted_peak_bytes=0, predicted_seconds_saved=0.0, checkpointed_peak_bytes=0,
         offloaded_outputs=(offloaded,) * below + (frozenset(),) * below)
-    events = []
-    prefetch = handle.engine.prefetch_ahead
-    handle.engine.prefetch_ahead = lambda: (events.append("prefetch"), prefetch())[1]
+    events = recorded_prefetches(handle)
     model.train()
     for ids in batches([32] * 3):
         events.clear()
