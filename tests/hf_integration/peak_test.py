@@ -214,13 +214,20 @@ def test_dominant_part_follows_the_vocabulary(vocab):
     for name, key in zip(("step_peak", "head_loss", "layer_recompute", "hidden_states_kept",
                           "offload_removed"), STAT_KEYS):
         assert stats[key] == result[name + "_bytes"]
+    # The phases' peaks (above the step's start): the forward and the head's, then the
+    # layers' backward's; the step's peak is the higher.
+    assert result["head_phase_peak_bytes"] >= result["head_loss_bytes"]
+    assert result["step_peak_bytes"] == max(result["head_phase_peak_bytes"],
+                                            result["layer_phase_peak_bytes"])
     if vocab == 8192:  # logits: 8 MiB, 32 hidden states
+        assert result["head_phase_peak_bytes"] > result["layer_phase_peak_bytes"]
         assert result["dominant"] == "head_loss"
         assert "Liger's fused linear cross-entropy" in result["advice"]
         assert "Cut Cross-Entropy" in result["advice"]
         share = result["head_loss_bytes"] / result["step_peak_bytes"]
         assert f"{share:.0%} of the step's peak" in result["advice"] and share > 0.9
     else:  # logits: half a hidden state
+        assert result["head_phase_peak_bytes"] < result["layer_phase_peak_bytes"]
         assert result["dominant"] == "layer_recompute"
         assert "offload cannot reduce it further" in result["advice"]
         assert result["layer_recompute_bytes"] > result["head_loss_bytes"]

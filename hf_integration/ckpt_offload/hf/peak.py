@@ -17,6 +17,8 @@ memory allocated when the step began:
   gradient of its input is ready), above the memory allocated when its recompute began;
 - layer_phase_peak_bytes (not a part): the highest the memory rose during the layers'
   recomputes and backward, above what was allocated when the step began;
+- head_phase_peak_bytes (not a part): the same from the step's beginning until the first
+  layer recompute (the forward, then the head's stretch);
 - head_stranded_bytes (not a part): the allocator's free pieces in segments that also hold
   live tensors as the head began (0 on CPU), which a fresh logits block cannot use;
 - dominant ("head_loss", "layer_recompute" or "hidden_states_kept") and advice.
@@ -223,6 +225,7 @@ class StepProfile:
         self.head_loss = 0
         self.layer_recompute = 0
         self.layer_phase_peak = 0
+        self.head_phase_peak = 0
         self.hidden_states_kept = 0
         self.head_stranded = 0  # the meter's stranded() as the last layer's forward ended
         self._inputs: Dict[int, Tuple[StorageWeakRef, int]] = {}  # tagged layer inputs
@@ -238,6 +241,8 @@ class StepProfile:
         peak = self.meter.peak()
         self.step_peak = max(self.step_peak, peak)
         rise = peak - self.stretch_start
+        if self.phase == "forward" or self.stretch == "head":
+            self.head_phase_peak = max(self.head_phase_peak, peak)
         if self.phase != "forward":  # in forward, a "head" stretch ended by a layer was none
             if self.stretch == "head":
                 self.head_loss = rise
@@ -412,6 +417,7 @@ class PeakTracker:
             offload_removed_bytes=removed, keep_last=self.handle.config.keep_last)
         self.result.update(micro_step=profile.micro_step, meter=profile.meter.name,
                            layer_phase_peak_bytes=max(0, int(profile.layer_phase_peak)),
+                           head_phase_peak_bytes=max(0, int(profile.head_phase_peak)),
                            head_stranded_bytes=int(profile.head_stranded))
         self._removing.append(profile.meter)
         if self.current is profile:
