@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import Dataset
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments
 
-from ckpt_offload.budget import RESIDENT, SELECTIVE, checkpointed_peak, plan_layers
+from ckpt_offload.budget import CHECKPOINT, RESIDENT, SELECTIVE, checkpointed_peak, plan_layers
 
 VOCAB = 128
 SEQ = 32
@@ -160,18 +160,23 @@ def keep_outputs_on_device(monkeypatch) -> None:
 def budget_for(measured, tokens, resident, selective=0):
     """memory_budget: the smallest budget that the step fits with every layer checkpointed
     and whose plan at `tokens` runs at least `resident` layers resident and `selective`
-    selective."""
-    def enough(plan):
-        return plan.count(RESIDENT) >= resident and plan.count(SELECTIVE) >= selective
+    selective. (The layers not checkpointed only grow in number with the budget, selective
+    ones may turn resident: the budget is the smallest with enough of them whose plan has
+    enough selective ones.)"""
+    layers = len(measured.layers)
+    for needed in range(resident + selective, layers + 1):
+        def enough(plan):
+            return (plan.count(RESIDENT) >= resident
+                    and plan.count(CHECKPOINT) <= layers - needed)
 
-    low, high = checkpointed_peak(measured, tokens), 1 << 40
-    if selective:  # layers turn selective before any goes resident (then they may stop)
-        high = budget_for(measured, tokens, 1) - 1
-        assert enough(plan_layers(measured, tokens, high))
-    while low < high:
-        middle = (low + high) // 2
-        if enough(plan_layers(measured, tokens, middle)):
-            high = middle
-        else:
-            low = middle + 1
-    return low
+        low, high = checkpointed_peak(measured, tokens), 1 << 40
+        while low < high:
+            middle = (low + high) // 2
+            if enough(plan_layers(measured, tokens, middle)):
+                high = middle
+            else:
+                low = middle + 1
+        if plan_layers(measured, tokens, low).count(SELECTIVE) >= selective:
+            return low
+    raise AssertionError(f"no budget plans {resident} resident and {selective} selective "
+                         f"layers")

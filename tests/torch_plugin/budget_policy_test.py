@@ -79,6 +79,56 @@ def test_a_longer_step_grows_the_measured_peak_a_shorter_one_does_not_shrink_it(
     assert checkpointed_peak(stranded, 2 * TOKENS) == measured.peak_bytes + int(13.7 * GIB)
 
 
+def liger_8b():
+    """The figures memory_budget measured for Llama-3.1-8B at s8k with Liger's fused loss on
+    the H100: the step peaks in the layers' backward, the head rose 0.5 GiB."""
+    return dataclasses.replace(
+        uniform_measurement(32, TOKENS, 2.25 * GIB / TOKENS, 13.3e-3 / TOKENS,
+                            peak_bytes=int(18.77 * GIB), activation_peak_bytes=int(3.53 * GIB)),
+        layer_phase_peak_bytes=int(18.77 * GIB), head_phase_peak_bytes=int(16.3 * GIB),
+        head_rise_bytes=int(0.5 * GIB), stranded_bytes=int(1.04 * GIB))
+
+
+def without_phases(measured):
+    return dataclasses.replace(measured, layer_phase_peak_bytes=0, head_phase_peak_bytes=0,
+                               head_rise_bytes=0)
+
+
+@pytest.mark.parametrize("budget_gib", [30, 50, 74.5])
+def test_a_fused_loss_counts_kept_bytes_where_the_step_peaks(budget_gib):
+    """With the peak in the layers' backward, the resident layer keeping least is not counted
+    beside it (its saved tensors are in that peak already), and the allocator's margin is
+    at most twice the head's rise: more layers resident than counting everything on top of
+    the step's peak with the full margin."""
+    measured, budget = liger_8b(), int(budget_gib * GIB)
+    layer = 2.25 * GIB
+    plan = plan_layers(measured, TOKENS, budget)
+    blind = plan_layers(without_phases(measured), TOKENS, budget)
+    resident = plan.count(RESIDENT)
+    assert resident > blind.count(RESIDENT) >= 1
+    assert plan.predicted_allocated_bytes == pytest.approx(
+        measured.layer_phase_peak_bytes + (resident - 1) * layer, abs=64)
+    margin = plan.predicted_peak_bytes - plan.predicted_allocated_bytes
+    assert 0 < margin <= measured.stranded_bytes + 2 * measured.head_rise_bytes + 64
+    assert plan.predicted_peak_bytes <= budget
+    if resident < 32:  # one more layer would not have fitted
+        assert plan.predicted_peak_bytes + layer > budget
+
+
+def test_with_the_models_loss_the_phases_change_nothing():
+    """The head's logits are the step's peak and its blocks large: every kept byte counts
+    on top of that peak, with the full margin, as without the phase figures."""
+    measured = dataclasses.replace(
+        llama_8b(), layer_phase_peak_bytes=int(18.6 * GIB), head_phase_peak_bytes=int(27.5 * GIB),
+        head_rise_bytes=int(11.43 * GIB), stranded_bytes=int(1.04 * GIB))
+    for budget_gib in (30, 45.3, 76, 120):
+        plan = plan_layers(measured, TOKENS, int(budget_gib * GIB))
+        blind = plan_layers(without_phases(measured), TOKENS, int(budget_gib * GIB))
+        assert plan.modes == blind.modes
+        assert plan.predicted_peak_bytes == blind.predicted_peak_bytes
+        assert plan.predicted_allocated_bytes == blind.predicted_allocated_bytes
+
+
 def test_a_layer_never_recomputed_stops_the_run():
     costs = [LayerCost(1000.0, 1e-6)] * 3 + [LayerCost(1000.0, 0.0)] + [LayerCost(1000.0, 1e-6)] * 2
     measured = StepMeasurement(tokens=10, layers=tuple(costs), peak_bytes=0,

@@ -27,21 +27,37 @@ measured peak linearly with tokens.
 
 Memory. A resident layer's saved tensors, and a selective layer's kept outputs, are live
 from its forward to its backward (its recompute), so at the end of the forward (where the
-head's loss runs) all of them are live at once. The plan counts all of them on top of the
-whole measured step's peak: an upper bound of what is allocated. Reserved memory is more:
-what a layer keeps lies in segments cut for its forward's transients, and the free pieces
-beside it cannot hold the head's large blocks (a language model's float32 logits), which
-need new segments. On the H200 (8B, s8k), a plan keeping 47.7 GiB at an 80 GiB cap ran out
-of memory with 7.1 GiB in such pieces, its allocations 5 GiB below the prediction; one
-keeping 10.7 GiB reserved 1.3 GiB above its allocated peak. On the H100 with the budget as
-the cap (38 GiB, 8B, s8k), a plan keeping 9.5 GiB stranded 1.63 GiB (17 %) and ran out of
-memory 0.17 GiB short for the logits, its allocations where predicted; rerun with each kept
-byte counted 20 % more, it kept 9.1 GiB and stranded 2.01 GiB. Part of that is the
-checkpointed step's own: ckpt_offload without a budget, at a 28 GiB cap, stranded 0.97 GiB
-when the logits were asked for, and beyond that the plans stranded at most 11.4 % of what
-they kept. So each kept byte is counted with FRAGMENTATION_MARGIN more, the measured step's
-own free pieces as its head began (`stranded_bytes`) are added to its peak, and the plan's
-predicted peak is of reserved memory.
+head's loss runs) all of them are live at once. The plan counts them by phase of the
+measured step (each phase's peak grown with tokens): all of them on top of the peak of the
+forward and the head; beside the layers' backward, all but the resident layer that keeps
+least (backward frees the resident layers first, and a layer's own saved tensors are in
+that phase's measured peak already: it recomputed them), plus the offloaded outputs in
+transit; the whole step's peak bounds both. With the model's own loss the head's float32
+logits are the step's peak, and this is the whole step's peak plus all that is kept; with a
+fused loss, which makes no logits, the step peaks in the layers' backward (H100, 8B,
+Liger: the head rose 0.5 GiB at s8k, a layer's recompute and backward 2.8 GiB), where
+counting every resident layer put the prediction 3.6 GiB above the plan's allocations (19
+resident layers, s8k).
+
+Reserved memory is more: what a layer keeps lies in segments cut for its forward's
+transients, and the free pieces beside it cannot hold the head's large blocks (a language
+model's float32 logits), which need new segments. On the H200 (8B, s8k), a plan keeping
+47.7 GiB at an 80 GiB cap ran out of memory with 7.1 GiB in such pieces, its allocations 5
+GiB below the prediction; one keeping 10.7 GiB reserved 1.3 GiB above its allocated peak.
+On the H100 with the budget as the cap (38 GiB, 8B, s8k), a plan keeping 9.5 GiB stranded
+1.63 GiB (17 %) and ran out of memory 0.17 GiB short for the logits, its allocations where
+predicted; rerun with each kept byte counted 20 % more, it kept 9.1 GiB and stranded 2.01
+GiB. Part of that is the checkpointed step's own: ckpt_offload without a budget, at a 28
+GiB cap, stranded 0.97 GiB when the logits were asked for, and beyond that the plans
+stranded at most 11.4 % of what they kept. So each kept byte is counted with
+FRAGMENTATION_MARGIN more, the measured step's own free pieces as its head began
+(`stranded_bytes`) are added to its peak, and the plan's predicted peak is of reserved
+memory. What strands is the head's blocks: cached from one step, carved by the next one's
+kept tensors, too short for that step's own. A fused loss asks for small blocks (a chunk of
+logits), and its plans reserved little above their allocations (H100, 8B, Liger: 0.6 GiB
+at s8k keeping 45.6 GiB, 2.0 GiB at s16k keeping 42.6 GiB, of which 0.98 GiB were the
+measured step's own pieces and the rest about its head's 1.0 GiB rise). So the margin is at
+most HEAD_BLOCKS_STRANDED times the measured head's rise.
 
 Order. The resident layers are the last ones: backward frees them first, so every
 checkpointed layer's recompute runs without them, and they leave the allocator's segments
@@ -133,6 +149,10 @@ OpKey = Tuple[str, int]
 # is of allocations. What a layer keeps pins the segments its freed transients were cut from,
 # and the head's large blocks cannot use those free pieces (see "Memory").
 FRAGMENTATION_MARGIN = 0.15
+# The margin never exceeds this many times what the measured head allocated above its start
+# (its blocks are what strands, see "Memory"; twice: the one measured fused-loss plan that
+# stranded more than the measured step's own pieces stranded about the head's rise once).
+HEAD_BLOCKS_STRANDED = 2.0
 
 # Device-to-host copy rate of pinned host memory where none was measured (the H200's and
 # the H100's, 55 GB/s either way; on CUDA the budget measures its device's,
@@ -225,12 +245,20 @@ class StepMeasurement:
     # Free pieces of the allocator's segments that also hold live tensors, as the head began
     # (reserved memory a fresh large block, the float32 logits, cannot use); 0: unknown.
     stranded_bytes: int = 0
+    # The device memory allocated at the peak of the forward and the head (until the first
+    # layer recompute), weights and all; 0: unknown (the step's peak stands for it).
+    head_phase_peak_bytes: int = 0
+    # What the head's stretch (the last layer's forward's end to the first recompute)
+    # allocated above what was allocated as it began: the blocks the head asks for, which
+    # bound what the allocator strands beside kept tensors (see "Memory"); 0: unknown.
+    head_rise_bytes: int = 0
 
     def __post_init__(self):
         if self.tokens <= 0:
             raise ValueError(f"StepMeasurement.tokens: must be > 0, got {self.tokens}")
         if min(self.peak_bytes, self.activation_peak_bytes, self.layer_phase_peak_bytes,
-               self.host_peak_bytes, self.stranded_bytes) < 0:
+               self.host_peak_bytes, self.stranded_bytes, self.head_phase_peak_bytes,
+               self.head_rise_bytes) < 0:
             raise ValueError("StepMeasurement: peak figures must be >= 0")
 
 
@@ -387,13 +415,82 @@ def _grown_allocations(measured: StepMeasurement, tokens: int) -> float:
 
 
 def layer_phase_peak(measured: StepMeasurement, tokens: int) -> int:
-    """The predicted peak of the layers' backward in a step of `tokens` with every layer
-    checkpointed (the step's peak where it was not measured)."""
+    """The predicted allocated peak of the layers' backward in a step of `tokens` with every
+    layer checkpointed (the step's allocated peak where it was not measured)."""
     if not measured.layer_phase_peak_bytes:
-        return checkpointed_peak(measured, tokens)
+        return checkpointed_allocated_peak(measured, tokens)
+    return _grown_phase(measured, measured.layer_phase_peak_bytes, tokens)
+
+
+def head_phase_peak(measured: StepMeasurement, tokens: int) -> int:
+    """The predicted allocated peak of the forward and the head in a step of `tokens` with
+    every layer checkpointed (the step's allocated peak where it was not measured)."""
+    if not measured.head_phase_peak_bytes:
+        return checkpointed_allocated_peak(measured, tokens)
+    return _grown_phase(measured, measured.head_phase_peak_bytes, tokens)
+
+
+def _grown_phase(measured: StepMeasurement, phase_peak: int, tokens: int) -> int:
+    """A measured phase's allocated peak, its rise above the step's start grown to `tokens`
+    (never shrunk, as the step's)."""
     start = measured.peak_bytes - measured.activation_peak_bytes  # allocated as it began
-    rise = max(0, measured.layer_phase_peak_bytes - start)
-    return int(measured.layer_phase_peak_bytes + max(0.0, tokens / measured.tokens - 1.0) * rise)
+    rise = max(0, phase_peak - start)
+    return int(phase_peak + max(0.0, tokens / measured.tokens - 1.0) * rise)
+
+
+def fragmentation_bytes(measured: StepMeasurement, tokens: int, kept_bytes: float) -> float:
+    """What the allocator may reserve beside `kept_bytes` kept on the device through a step
+    of `tokens` (see "Memory"): FRAGMENTATION_MARGIN of them, at most HEAD_BLOCKS_STRANDED
+    times what the measured head asked for (never scaled down for a shorter step)."""
+    margin = FRAGMENTATION_MARGIN * max(0.0, kept_bytes)
+    if measured.head_rise_bytes:
+        head = measured.head_rise_bytes * max(1.0, tokens / measured.tokens)
+        margin = min(margin, HEAD_BLOCKS_STRANDED * head)
+    return margin
+
+
+@dataclasses.dataclass(frozen=True)
+class _Phases:
+    """A step's predicted allocated peaks with every layer checkpointed (see "Memory"): the
+    whole step's, its forward and head's, its layers' backward's; the free pieces stranded
+    as its head began, and beside its layers' backward (the same where that phase was not
+    measured: its peak is the step's then, 0 where it was)."""
+
+    step: float
+    head: float
+    layers: float
+    stranded: float
+    layers_stranded: float
+
+    @classmethod
+    def of(cls, measured: StepMeasurement, tokens: int) -> "_Phases":
+        step = checkpointed_allocated_peak(measured, tokens)
+        stranded = checkpointed_peak(measured, tokens) - step
+        return cls(step=step, head=head_phase_peak(measured, tokens),
+                   layers=layer_phase_peak(measured, tokens), stranded=stranded,
+                   layers_stranded=0.0 if measured.layer_phase_peak_bytes else stranded)
+
+    def allocated(self, kept: float, lowest_resident: float, transit: float) -> float:
+        """The allocated peak with `kept` bytes kept through the step (resident layers'
+        saved tensors, selective layers' kept outputs), the resident layer keeping least
+        `lowest_resident` of them (0: none resident) and `transit` bytes of offloaded
+        outputs beside the layers' backward."""
+        return max(self.step, self.head + kept,
+                   self.layers + transit + kept - lowest_resident)
+
+    def reserved(self, measured: StepMeasurement, tokens: int, kept: float,
+                 lowest_resident: float, transit: float) -> float:
+        """allocated() with the allocator's margins: the stranded pieces beside the head,
+        and fragmentation_bytes() of what each phase keeps."""
+        return max(self.step + self.stranded,
+                   self.head + kept + self.stranded
+                   + fragmentation_bytes(measured, tokens, kept),
+                   self.layers_reserved(measured, tokens, kept - lowest_resident + transit))
+
+    def layers_reserved(self, measured: StepMeasurement, tokens: int, kept: float) -> float:
+        """The layers' backward's reserved peak with `kept` bytes beside it."""
+        return (self.layers + self.layers_stranded + kept
+                + fragmentation_bytes(measured, tokens, kept))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -571,9 +668,10 @@ def plan_layers(measured: StepMeasurement, tokens: int, budget_bytes: int,
 def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserve_bytes: int,
                offload: Optional[OutputOffload]) -> LayerPlan:
     base = checkpointed_peak(measured, tokens)
+    phases = _Phases.of(measured, tokens)
     count = len(measured.layers)
-    offloaded, offloaded_seconds, transit, transit_allocated, host_limited = _offloaded_plan(
-        measured, tokens, base, budget_bytes, reserve_bytes, offload)
+    offloaded, offloaded_seconds, transit, host_limited = _offloaded_plan(
+        measured, tokens, phases, budget_bytes, reserve_bytes, offload)
     layers = [_without(layer, offloaded[i], offloaded_seconds[i])
               for i, layer in enumerate(measured.layers)]
     # Each layer's offloaded outputs' bytes, and what it would offload as RESIDENT: its own
@@ -590,8 +688,8 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
     stopped = [False] * count
     resident = [False] * count
     kept: List[FrozenSet[OpKey]] = [frozenset()] * count
-    peak = float(base + transit)
-    allocated = float(checkpointed_allocated_peak(measured, tokens) + transit_allocated)
+    kept_bytes = 0.0  # what the plan keeps on the device through the step, all layers
+    lowest_resident = 0.0  # the fewest bytes a resident layer keeps (0: none resident)
     saved = sum(offloaded_seconds) * tokens
     while True:
         best: Optional[int] = None
@@ -606,12 +704,15 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
         if best is None:
             break
         step = steps[best][taken[best]]
-        extra = step.bytes_per_token * tokens * (1.0 + FRAGMENTATION_MARGIN)
-        if peak + extra + reserve_bytes > budget_bytes:
+        more = kept_bytes + step.bytes_per_token * tokens
+        lowest = lowest_resident
+        if step.resident:
+            layer_bytes = sum(s.bytes_per_token for s in steps[best][:taken[best] + 1]) * tokens
+            lowest = min(lowest or math.inf, layer_bytes)
+        if phases.reserved(measured, tokens, more, lowest, transit) + reserve_bytes > budget_bytes:
             stopped[best] = True
             continue
-        peak += extra
-        allocated += step.bytes_per_token * tokens
+        kept_bytes, lowest_resident = more, lowest
         saved += step.seconds_per_token * tokens
         taken[best] += 1
         resident[best] = step.resident
@@ -620,18 +721,20 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                   for i in range(count))
     kept_outputs = tuple(kept[i] if modes[i] == SELECTIVE else frozenset()
                          for i in range(count))
-    kept_bytes = sum(step.bytes_per_token for i in range(count) if modes[i] == SELECTIVE
-                     for step in steps[i][:taken[i]]) * tokens
+    selective_bytes = sum(step.bytes_per_token for i in range(count) if modes[i] == SELECTIVE
+                          for step in steps[i][:taken[i]]) * tokens
     offloaded_outputs = tuple(frozenset() if modes[i] == RESIDENT else offloaded[i]
                               for i in range(count))
     resident_offloaded = tuple(storages[i][0] if modes[i] == RESIDENT else frozenset()
                                for i in range(count))
     resident_bytes = sum(storages[i][1] for i in range(count) if modes[i] == RESIDENT) * tokens
     offloaded_bytes = sum(allowance[i] for i in range(count) if modes[i] != RESIDENT) * tokens
+    predicted = phases.reserved(measured, tokens, kept_bytes, lowest_resident, transit)
+    allocated = phases.allocated(kept_bytes, lowest_resident, transit)
     return LayerPlan(tokens=tokens, budget_bytes=int(budget_bytes), modes=modes,
-                     predicted_peak_bytes=int(peak), predicted_seconds_saved=saved,
+                     predicted_peak_bytes=int(predicted), predicted_seconds_saved=saved,
                      checkpointed_peak_bytes=base, reserve_bytes=int(reserve_bytes),
-                     kept_outputs=kept_outputs, kept_output_bytes=int(round(kept_bytes)),
+                     kept_outputs=kept_outputs, kept_output_bytes=int(round(selective_bytes)),
                      offloaded_outputs=offloaded_outputs,
                      offloaded_output_bytes=int(round(offloaded_bytes)),
                      host_limited_bytes=host_limited, resident_offloaded=resident_offloaded,
@@ -639,19 +742,18 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                      predicted_allocated_bytes=int(allocated))
 
 
-def _offloaded_plan(measured: StepMeasurement, tokens: int, base: int, budget: int,
+def _offloaded_plan(measured: StepMeasurement, tokens: int, phases: _Phases, budget: int,
                     reserve: int, offload: Optional[OutputOffload]):
-    """Each layer's offloaded outputs and their seconds per token, the bytes their transit
-    adds to `base`, the checkpointed step's peak (see "Offloaded outputs"), and to its
-    allocated peak (without the margin), for the widest windows (a half, a quarter, ... of
-    each) whose transit fits `budget` beside the layers' backward and `reserve` (see
-    "Lengths that change"), and the bytes the host limit left out of those windows. None
-    when `base` alone is over the budget."""
+    """Each layer's offloaded outputs and their seconds per token, the bytes of them in
+    transit beside the layers' backward (see "Offloaded outputs"), for the widest windows
+    (a half, a quarter, ... of each) whose transit fits `budget` beside the layers' backward
+    and `reserve` (see "Lengths that change"), and the bytes the host limit left out of
+    those windows. None when the checkpointed step alone is over the budget."""
     count = len(measured.layers)
-    none = [frozenset()] * count, [0.0] * count, 0, 0, 0
-    if offload is None or offload.bytes_per_second <= 0 or base > budget:
+    none = [frozenset()] * count, [0.0] * count, 0.0, 0
+    if (offload is None or offload.bytes_per_second <= 0
+            or phases.reserved(measured, tokens, 0.0, 0.0, 0.0) > budget):
         return none
-    layer_base = layer_phase_peak(measured, tokens)
     share = offload.window_share
     for _ in range(WINDOW_HALVINGS + 1):
         chosen = [offloaded_candidates(layer, tokens, offload, share)
@@ -661,16 +763,11 @@ def _offloaded_plan(measured: StepMeasurement, tokens: int, base: int, budget: i
         chosen, host_limited = _within_host(measured, tokens, chosen, offload)
         largest = max(bytes_per_token for _, bytes_per_token, _ in chosen) * tokens
         if largest <= 0:
-            return none[:4] + (int(round(host_limited * tokens)),)
+            return none[:3] + (int(round(host_limited * tokens)),)
         in_transit = offload.layers_on_device * largest
-        layers_with_transit = layer_base + in_transit * (1.0 + FRAGMENTATION_MARGIN)
-        if layers_with_transit + reserve <= budget:
-            transit = max(0.0, layers_with_transit - base)
-            transit_allocated = max(
-                0.0, layer_base + in_transit - checkpointed_allocated_peak(measured, tokens))
+        if phases.layers_reserved(measured, tokens, in_transit) + reserve <= budget:
             return ([keys for keys, _, _ in chosen], [seconds for _, _, seconds in chosen],
-                    int(math.ceil(transit)), int(math.ceil(transit_allocated)),
-                    int(round(host_limited * tokens)))
+                    in_transit, int(round(host_limited * tokens)))
         share /= 2
     return none
 

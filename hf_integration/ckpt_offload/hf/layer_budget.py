@@ -811,7 +811,9 @@ class LayerBudget:
             tokens=self._measured_tokens, layers=tuple(layers), peak_bytes=int(peak),
             activation_peak_bytes=int(activation_peak), step_seconds=step_seconds,
             largest_block_bytes_per_token=self._largest_block_per_token(activation_peak),
-            layer_phase_peak_bytes=self._layer_phase_peak(),
+            layer_phase_peak_bytes=self._phase_peak("layer_phase_peak_bytes"),
+            head_phase_peak_bytes=self._phase_peak("head_phase_peak_bytes"),
+            head_rise_bytes=self._head_rise(),
             # The step's figures, harvested as the next one began.
             host_peak_bytes=int(self.handle._latest.get("host_peak_bytes", 0)),
             stranded_bytes=self._head_stranded())
@@ -836,14 +838,19 @@ class LayerBudget:
             return max(0, torch.cuda.max_memory_allocated() - self._allocated_at_start)
         return sum(cost.saved_bytes_per_token for cost in layers) * self._measured_tokens
 
-    def _layer_phase_peak(self) -> int:
-        """The measured step's peak during the layers' backward, weights and all (0: not
-        profiled)."""
+    def _phase_peak(self, key: str) -> int:
+        """The measured step's peak in one phase of the peak breakdown (`key`: the layers'
+        backward, or the forward and the head), weights and all (0: not profiled)."""
         breakdown = self._measured_breakdown()
         if breakdown is None:
             return 0
-        rise = breakdown.get("layer_phase_peak_bytes", 0)
+        rise = breakdown.get(key, 0)
         return int(self._allocated_at_start + rise) if rise else 0
+
+    def _head_rise(self) -> int:
+        """What the measured step's head allocated above its start (0: not profiled)."""
+        breakdown = self._measured_breakdown()
+        return int(breakdown["head_loss_bytes"]) if breakdown is not None else 0
 
     def _head_stranded(self) -> int:
         """The allocator's stranded free pieces as the measured step's head began (0: not
