@@ -71,10 +71,34 @@ def run(model, handle=None, empty_cache=False):
     return losses, grads, reserved, plans
 
 
+@pytest.fixture
+def llama_module_restored():
+    """Liger's patch replaces functions of transformers' Llama module and methods of its
+    classes, for every model built after it: they are put back after the test."""
+    from transformers.models.llama import modeling_llama as module
+
+    functions = dict(vars(module))
+    methods = {cls: dict(vars(cls)) for cls in functions.values()
+               if isinstance(cls, type) and cls.__module__ == module.__name__}
+    yield
+    for name, value in functions.items():
+        setattr(module, name, value)
+    for cls, attributes in methods.items():
+        for name, value in attributes.items():
+            if name not in ("__dict__", "__weakref__") and vars(cls).get(name) is not value:
+                setattr(cls, name, value)
+
+
+def largest_difference(grads_a, grads_b) -> float:
+    return max((a[name].float() - b[name].float()).abs().max().item()
+               for a, b in zip(grads_a, grads_b) for name in a)
+
+
 @pytest.mark.parametrize("loss", ["model", "liger"])
-def test_a_plan_at_a_cap_fits_and_is_bit_identical(loss):
+def test_a_plan_at_a_cap_fits_and_is_bit_identical(loss, llama_module_restored):
     """With the model's loss and with Liger's fused one, which peaks in the layers' backward
-    rather than the head (the plan counts its resident layers there)."""
+    rather than the head (the plan counts its resident layers there). Where Liger's kernels
+    do not repeat bit for bit from run to run, the plan's gradients stay within that."""
     from ckpt_offload.budget import plan_layers
     from ckpt_offload.hf import enable_activation_offload
 
@@ -83,6 +107,15 @@ def test_a_plan_at_a_cap_fits_and_is_bit_identical(loss):
     expected_losses, expected_grads, _, _ = run(lora_llama(loss=loss))
     gc.collect()
     torch.cuda.empty_cache()
+    repeats = True
+    if loss == "liger":
+        again_losses, again_grads, _, _ = run(lora_llama(loss=loss))
+        spread = largest_difference(expected_grads, again_grads)
+        repeats = spread == 0 and all(torch.equal(a, b)
+                                      for a, b in zip(again_losses, expected_losses))
+        print(f"liger: run-to-run gradient difference {spread}")
+        gc.collect()
+        torch.cuda.empty_cache()
 
     # Probe: the step's allocated peak with every layer checkpointed, and one layer's bytes.
     model = lora_llama(loss=loss)
@@ -129,6 +162,9 @@ def test_a_plan_at_a_cap_fits_and_is_bit_identical(loss):
     assert "resident" not in modes[:LAYERS - resident]
     assert max(reserved) <= cap
     assert max(reserved[2:]) <= plans[-1]["budget_predicted_peak_bytes"] + GIB
+    if not repeats:  # the loss's own kernels set what "the same" can mean
+        assert largest_difference(expected_grads, grads) <= 2 * spread
+        return
     for step in range(STEPS):
         assert torch.equal(losses[step], expected_losses[step]), step
         for name, grad in expected_grads[step].items():
