@@ -15,6 +15,8 @@ import torch
 from torch.nn.attention.flex_attention import flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.models.llama import modeling_llama
+from transformers.models.llama.modeling_llama import rotate_half
 
 from ckpt_offload import budget as budget_policy
 from ckpt_offload.budget import (CHECKPOINT, HOST_POOL_MARGIN, RESIDENT, SELECTIVE, LayerPlan,
@@ -239,6 +241,72 @@ def test_selective_layers_skip_their_kept_ops_in_the_recompute(model_name):
     assert_identical(expected, actual)
     assert counts[:2] == plain_counts[:2]  # checkpointed, then measured
     assert counts[2:] == [c - 4 * LAYERS for c in plain_counts[2:]]
+
+
+class UnseenInPlaceRotary(torch.autograd.Function):
+    """Llama's rotary embedding written into q and k in place where the dispatcher does not
+    see it (through numpy here; on the GPU a Triton kernel, as Liger-Kernel's rotary
+    embedding writes the projections' outputs), returning them."""
+
+    @staticmethod
+    def forward(ctx, q, k, cos, sin):
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        ctx.save_for_backward(cos, sin)
+        for tensor in (q, k):
+            rotated = tensor * cos + rotate_half(tensor) * sin
+            tensor.detach().numpy()[...] = rotated.detach().numpy()
+        return q.view_as(q), k.view_as(k)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin = ctx.saved_tensors
+
+        def unrotated(grad):  # the rotation's transpose
+            half = grad.shape[-1] // 2
+            turned = grad * sin
+            return grad * cos + torch.cat((turned[..., half:], -turned[..., :half]), dim=-1)
+
+        return unrotated(grad_q), unrotated(grad_k), None, None
+
+
+def unseen_in_place_rotary(q, k, cos, sin, *args, **kwargs):
+    return UnseenInPlaceRotary.apply(q, k, cos, sin)
+
+
+def test_outputs_written_in_place_unseen_are_no_candidates(monkeypatch):
+    """An op's output that code the dispatcher does not see writes in place after the op
+    (the rotary embedding into the q and k projections' outputs) would be rotated twice in
+    a recompute that skipped the op: keeping it changes the gradients. The measured step
+    compares each candidate's content at the end of its layer's recompute with what its op
+    made: the written ones are no candidates, and a plan keeping every other candidate is
+    bit-identical to full checkpointing."""
+    monkeypatch.setattr(modeling_llama, "apply_rotary_pos_emb", unseen_in_place_rotary)
+    lengths = [32] * STEPS
+    expected = run(checkpointed(llama()), batches(lengths))
+    measured = measurement_of(llama, lengths)
+    projections = [("aten.mm.default", i) for i in range(4)]  # q, k, v, o
+    for layer in measured.layers:
+        keys = {output.key for output in layer.outputs}
+        assert projections[0] not in keys and projections[1] not in keys  # written
+        assert projections[2] in keys and projections[3] in keys
+
+    def run_keeping(kept_per_layer):
+        plan = LayerPlan(tokens=64, budget_bytes=1 << 40, modes=(SELECTIVE,) * LAYERS,
+                         predicted_peak_bytes=0, predicted_seconds_saved=0.0,
+                         checkpointed_peak_bytes=0, kept_outputs=tuple(kept_per_layer))
+        model = checkpointed(llama())
+        handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+        plan_from(handle, measured)
+        handle._budget._plans[(64, False)] = plan
+        result = run(model, batches(lengths), handle)
+        handle.disable()
+        return result
+
+    every_candidate = [frozenset(o.key for o in layer.outputs) for layer in measured.layers]
+    assert_identical(expected, run_keeping(every_candidate))
+    # Keeping the q projection's output anyway: the recompute rotates it twice.
+    with pytest.raises(AssertionError, match="step"):
+        assert_identical(expected, run_keeping([frozenset(projections[:1])] * LAYERS))
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
@@ -755,26 +823,32 @@ def test_kept_output_candidates_are_ops_whose_skipping_changes_nothing_but_time(
     nothing."""
     generator = torch.Generator().manual_seed(0)
     x, w = torch.randn(8, 16, generator=generator), torch.randn(16, 16, generator=generator)
-    q, k, v = (torch.randn(1, 2, 8, 8, generator=generator) for _ in range(3))
+    # Needing gradients, attention saves its outputs for backward, as in a layer.
+    q, k, v = (torch.randn(1, 2, 8, 8, generator=generator).requires_grad_()
+               for _ in range(3))
     meter = layer_budget._OutputMeter(layer_budget._Timer(cuda=False))
+    alive = []  # the layer's saved tensors, say: alive when its recompute ends
     with meter:
         a = x @ w
         b = a * 2
         a.add_(1)  # `a` changes after it was made: mm is no candidate
-        torch.nn.functional.dropout(b, 0.5, training=True)
-        b.view(-1)
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.0)
-        torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+        alive.append(torch.nn.functional.dropout(b, 0.5, training=True))
+        alive.append(b.view(-1))
+        alive.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.0))
+        alive.append(torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.5))
         returned = x * 3
-        torch.empty_like(x)  # filled, if at all, where the meter does not see
-        torch.empty(4, 4)
+        alive.append(torch.empty_like(x))  # filled, if at all, where the meter does not see
+        alive.append(torch.empty(4, 4))
         # A higher-order op runs under the meter (torch refuses one a mode does not take).
-        flexed = flex_attention(q, k, v)
+        flexed = flex_attention(q.detach(), k.detach(), v.detach())  # no CPU backward
+        x.exp()  # freed before the end, no op read it: nothing tells who did
+        alive.append(x.sin().cos())  # freed, but read by the next op: as it was made
     before = {output.key for output in meter.candidates(tokens=8)}
-    meter.exclude_returned((returned, None))  # what the layer returns: changed after it
+    meter.finish((returned, None))  # what the layer returns: changed after it
     keys = {output.key for output in meter.candidates(tokens=8)}
     last_mul = ("aten.mul.Tensor", meter.counts["aten.mul.Tensor"] - 1)
-    assert before - keys == {last_mul}
+    assert {last_mul, ("aten.exp.default", 0)} <= before - keys
+    assert ("aten.sin.default", 0) in keys and ("aten.cos.default", 0) in keys
     assert ("aten.mm.default", 0) not in keys
     assert ("aten.mul.Tensor", 0) in keys
     assert flexed.shape == q.shape

@@ -35,7 +35,11 @@ and the plan covers the others; this is said once.
 Kept outputs. An op of a layer's forward is a candidate when skipping it in the recompute
 changes nothing but time: its outputs are new tensors (no view or alias of an input, which
 keeping would not free), no later op of the layer writes to them in place (LoRA's adds
-write their own buffers; torch would refuse a kept output that changed), the layer does
+write their own buffers; torch would refuse a kept output that changed), nor does code the
+dispatcher does not see (a Triton kernel: Liger's rotary embedding writes the q and k
+projections' outputs; the measured recompute compares a sum of each output's bytes as its
+op made it with the same sum where a later op reads it and at the recompute's end, and an
+output freed before the end that no later op read is none either), the layer does
 not return them (code after the layer could change them), it makes more than an empty
 buffer (a kernel outside the dispatcher may fill one unseen), it is no higher-order op
 (flex attention, a compiled region: nothing says what their outputs alias), and it draws
@@ -312,6 +316,12 @@ class _OutputMeter(TorchDispatchMode):
         self.excluded: set = set()
         self.failed = False
         self._by_storage: Dict[int, OpKey] = {}
+        # Content checks (see finish()): per candidate storage, a weak reference and its
+        # content's sum as its op made it; the candidates a later op read; (key, sum as
+        # made, sum when read or at the end) for each read and each storage alive at the end.
+        self._made: Dict[int, tuple] = {}
+        self._read: set = set()
+        self._checks: List[tuple] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -340,6 +350,14 @@ class _OutputMeter(TorchDispatchMode):
         key = _counted_key(self.counts, func)
         inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and _has_storage(t)}
+        if not _returns_alias(func):  # an op that reads its inputs' content
+            for storage in inputs:
+                owner = self._by_storage.get(storage)
+                if owner is not None and owner not in self.excluded:
+                    self._read.add(owner)
+                    ref, made = self._made[storage]
+                    self._checks.append((owner, made, _content_sum(
+                        torch.UntypedStorage._new_with_weak_ptr(ref.cdata))))
         for written in _written_tensors(func, args, kwargs):
             if not _has_storage(written):
                 continue
@@ -352,7 +370,7 @@ class _OutputMeter(TorchDispatchMode):
         """Records the op's outputs as a candidate when they may be kept."""
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         returns = getattr(getattr(func, "_schema", None), "returns", None)
-        if (not outputs or returns is None or any(r.alias_info is not None for r in returns)
+        if (not outputs or returns is None or _returns_alias(func)
                 or func.overloadpacket in _UNDEFINED_CONTENT_OPS
                 or _draws_random_numbers(func, args, kwargs)):
             return
@@ -365,8 +383,10 @@ class _OutputMeter(TorchDispatchMode):
             return
         size = sum(t.untyped_storage().nbytes() for t in by_storage.values())
         self.ops[key] = [storages, size, interval]
-        for storage in storages:
+        for storage, tensor in by_storage.items():
             self._by_storage[storage] = key
+            self._made[storage] = (StorageWeakRef(tensor.untyped_storage()),
+                                   _content_sum(tensor.untyped_storage()))
 
     def _fail(self, func, error: Exception) -> None:
         """The meter could not follow `func`: the layer offers no candidates this time."""
@@ -377,14 +397,38 @@ class _OutputMeter(TorchDispatchMode):
         logger.warning("ckpt_offload: memory_budget: could not meter %s (%s: %s); this layer "
                        "keeps no op outputs", func, type(error).__name__, error)
 
-    def exclude_returned(self, result) -> None:
-        """What the layer returns is no candidate: code after the layer (the next layer's
-        in-place residual add, say) may change it before the recompute."""
+    def finish(self, result) -> None:
+        """The layer's recompute returned `result`, or checkpoint stopped it early (None).
+        What it returns is no candidate: code after the layer (the next layer's in-place
+        residual add, say) may change it before the recompute. Nor is an output whose content
+        differs from what its op made where a later op read it or at the end (code the
+        dispatcher does not see wrote it in place: a Triton kernel, such as Liger's rotary
+        embedding writing the projections' outputs), nor one freed before the end that no
+        later op read (only such code used it)."""
         for tensor in tree_leaves(result):
             if isinstance(tensor, torch.Tensor) and _has_storage(tensor):
                 owner = self._by_storage.get(_storage_key(tensor))
                 if owner is not None:
                     self.excluded.add(owner)
+        checks, self._checks = self._checks, []
+        made, self._made = self._made, {}
+        if self.failed:
+            return
+        try:
+            for storage, (ref, made_sum) in made.items():
+                owner = self._by_storage[storage]
+                if owner in self.excluded:
+                    continue
+                if not ref.expired():
+                    checks.append((owner, made_sum, _content_sum(
+                        torch.UntypedStorage._new_with_weak_ptr(ref.cdata))))
+                elif owner not in self._read:
+                    self.excluded.add(owner)
+            if checks:  # one synchronization for the layer
+                sums = torch.stack([torch.stack((a, b)) for _, a, b in checks]).tolist()
+                self.excluded.update(key for (key, _, _), (a, b) in zip(checks, sums) if a != b)
+        except Exception as error:  # the meter's own bookkeeping: it must not stop a step
+            self._fail("the content check", error)
 
     def candidates(self, tokens: int):
         if self.failed:
@@ -392,6 +436,22 @@ class _OutputMeter(TorchDispatchMode):
         return tuple(KeptOutput(key, size / tokens, _Timer.seconds(interval) / tokens)
                      for key, (_, size, interval) in self.ops.items()
                      if key not in self.excluded)
+
+
+def _returns_alias(func) -> bool:
+    """Whether `func`'s outputs alias its inputs (a view, an in-place op): it makes no new
+    tensor, and a view reads nothing."""
+    returns = getattr(getattr(func, "_schema", None), "returns", None) or ()
+    return any(r.alias_info is not None for r in returns)
+
+
+def _content_sum(storage) -> torch.Tensor:
+    """The sum of `storage`'s bytes read as integers (four at a time where they divide), a
+    device scalar: it changes when anything writes the storage."""
+    flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+    if storage.nbytes() % 4 == 0:
+        flat = flat.view(torch.int32)
+    return flat.sum(dtype=torch.int64)
 
 
 def _written_tensors(func, args, kwargs) -> List[torch.Tensor]:
@@ -753,10 +813,15 @@ class LayerBudget:
                 if not metered or torch.compiler.is_compiling():
                     return function(*args, **kwargs)
                 probe.meter = _OutputMeter(probe.timer)  # the latest recompute's
-                with probe.meter:
-                    result = function(*args, **kwargs)
-                probe.meter.exclude_returned(result)
-                return result
+                result = None
+                try:
+                    with probe.meter:
+                        result = function(*args, **kwargs)
+                    return result
+                finally:
+                    # Also when checkpoint stops the recompute early (by raising once the
+                    # last saved tensor is made): what it ran is what it will skip.
+                    probe.meter.finish(result)
             finally:
                 probe.stop(start)
                 torch._C._autograd._pop_saved_tensors_default_hooks()
