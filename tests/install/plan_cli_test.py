@@ -371,7 +371,36 @@ def test_stranded_pieces_count_in_the_checkpointed_peak():
     assert "(checkpointed step 29.00 GiB)" in text and "every layer stays" in text
 
 
+def test_a_fused_losss_phases_let_more_layers_stay_resident():
+    """The Trainer log's figures for Liger's fused loss at s8k (H100): the step peaks in the
+    layers' backward (18.77 GiB), its forward and head at 17.31, the head rising 0.5. Given
+    them, the plan counts what it keeps where it is live and bounds the allocator's margin
+    by the head: more resident layers and a faster step than from the step's peak alone,
+    within the budget. Allocations: everything kept on top of the forward and head's peak,
+    or beside the layers' backward without one resident layer (its saved tensors are in
+    that peak), whichever is higher."""
+    def liger(*phases):
+        return json.loads(run(
+            "--preset=llama-8b", "--seq=8192", "--step_peak_gib=18.77", "--layer_gib=2.25",
+            "--layer_ms=13.3", "--step_ms=1458", "--stranded_gib=1.04",
+            "--memory_budget=74.5GiB", "--json", *RESIDENT_ONLY, *phases).stdout)["memory_budget"]
+
+    blind = liger()
+    phased = liger("--head_peak_gib=17.31", "--layer_phase_peak_gib=18.77",
+                   "--head_rise_gib=0.5")
+    assert phased["resident_layers"] > blind["resident_layers"]
+    assert phased["predicted_step_ms"] < blind["predicted_step_ms"]
+    assert phased["predicted_peak_bytes"] <= 74.5 * 2**30
+    resident = phased["resident_layers"]
+    assert phased["predicted_allocated_bytes"] == pytest.approx(
+        max(17.31 + resident * 2.25, 18.77 + (resident - 1) * 2.25) * 2**30, abs=2**20)
+
+
 @pytest.mark.parametrize("args, flag", [
+    (["--memory_budget=80GiB", "--step_peak_gib=27", "--head_peak_gib=28"], "--head_peak_gib"),
+    (["--memory_budget=80GiB", "--step_peak_gib=27", "--layer_phase_peak_gib=0"],
+     "--layer_phase_peak_gib"),
+    (["--memory_budget=80GiB", "--step_peak_gib=27", "--head_rise_gib=x"], "--head_rise_gib"),
     (["--memory_budget=80GiB"], "--step_peak_gib"),
     (["--memory_budget=80GiB", "--step_peak_gib=27", "--stranded_gib=-1"], "--stranded_gib"),
     (["--memory_budget=auto", "--step_peak_gib=27"], "--device_gib"),

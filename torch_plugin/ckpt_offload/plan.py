@@ -55,6 +55,13 @@ Also (python -m ckpt_offload.plan only):
                             began (the Trainer log's measurement line; default 0): the
                             plan holds reserved memory to the budget, and they are part
                             of it
+  --head_peak_gib=N, --layer_phase_peak_gib=N
+                            the same step's peak in its forward and head, and in its
+                            layers' backward (the Trainer log's measurement line; default:
+                            the step's peak for both): what the plan keeps counts where it
+                            is live (a fused loss's step peaks in the layers' backward)
+  --head_rise_gib=N         what that step's head allocated above its start (same line;
+                            default: unknown): bounds the allocator's margin
   --layer_gib=N             one layer's saved tensors (default: estimated from the shape)
   --layer_ms=N              one layer's recompute (default: the planner's forward time)
   --step_ms=N               the checkpointed step's time (default: the simulated step)
@@ -64,7 +71,8 @@ Also (python -m ckpt_offload.plan only):
 """
 
 # The flags python -m ckpt_offload.plan reads for a memory budget (the others go to the planner).
-BUDGET_FLAGS = ("memory_budget", "device_gib", "step_peak_gib", "stranded_gib", "layer_gib",
+BUDGET_FLAGS = ("memory_budget", "device_gib", "step_peak_gib", "stranded_gib",
+                "head_peak_gib", "layer_phase_peak_gib", "head_rise_gib", "layer_gib",
                 "layer_ms", "step_ms", "kept_gib", "kept_ms")
 
 # A decoder layer's saved bytes per token in bf16 (twice that in fp32): 44 x hidden + 8 x ffn.
@@ -260,6 +268,12 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
     else:
         outputs = (KeptOutput(("kept", 0), kept_gib * GIB / tokens, kept_ms / 1e3 / tokens),)
     stranded_gib = _positive(flags, "stranded_gib", True) or 0.0
+    phases = {name: _positive(flags, name) for name in ("head_peak_gib", "layer_phase_peak_gib")}
+    for name, gib in phases.items():
+        if gib is not None and gib > step_peak_gib:
+            raise ConfigError(f"--{name}: at most --step_peak_gib ({step_peak_gib:g}; the "
+                              f"step's peak is its higher phase's), got {flags[name]!r}")
+    head_rise_gib = _positive(flags, "head_rise_gib") or 0.0
     measured = uniform_measurement(
         plan["layers"], tokens, layer_gib * GIB / tokens, layer_ms / 1e3 / tokens,
         peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0, outputs=outputs)
@@ -272,8 +286,11 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
     layer = dataclasses.replace(measured.layers[0],
                                 input_bytes_per_token=plan["bytes_per_layer"] / tokens,
                                 storages=tuple(pieces) + (whole - sum(pieces),))
-    measured = dataclasses.replace(measured, layers=(layer,) * plan["layers"],
-                                   stranded_bytes=int(stranded_gib * GIB))
+    measured = dataclasses.replace(
+        measured, layers=(layer,) * plan["layers"], stranded_bytes=int(stranded_gib * GIB),
+        head_phase_peak_bytes=int((phases["head_peak_gib"] or 0) * GIB),
+        layer_phase_peak_bytes=int((phases["layer_phase_peak_gib"] or 0) * GIB),
+        head_rise_bytes=int(head_rise_gib * GIB))
     offload = OutputOffload.for_engine(
         plan["d2h_gbps"] * 1e9, plan["keep_last"], plan["prefetch_depth"],
         plan["max_inflight_d2h_groups"], OffloadConfig().min_offload_bytes,

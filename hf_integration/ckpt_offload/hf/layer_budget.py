@@ -986,11 +986,16 @@ class LayerBudget:
         layer_bytes = max(c.saved_bytes_per_token for c in measured.layers) * measured.tokens
         layer_ms = max(c.recompute_seconds_per_token for c in measured.layers) * measured.tokens
         metered_ms = max((p.seconds for p in probes.values()), default=0.0)
+        phases = ""
+        if measured.head_phase_peak_bytes:
+            phases = (f" (its forward and head at {measured.head_phase_peak_bytes / GIB:.2f}, "
+                      f"the head rising {measured.head_rise_bytes / GIB:.2f}; its layers' "
+                      f"backward at {measured.layer_phase_peak_bytes / GIB:.2f})")
         logger.info("ckpt_offload.hf: measured at %d tokens: a layer saves up to %.2f GiB and "
                     "its recompute takes up to %.2f ms (%.2f ms while metered); the step peaked at "
-                    "%.2f GiB, with %.2f GiB of free pieces stranded as the head began",
+                    "%.2f GiB%s, with %.2f GiB of free pieces stranded as the head began",
                     measured.tokens, layer_bytes / GIB, layer_ms * 1e3, metered_ms * 1e3,
-                    measured.peak_bytes / GIB, measured.stranded_bytes / GIB)
+                    measured.peak_bytes / GIB, phases, measured.stranded_bytes / GIB)
 
     def advice(self) -> Optional[str]:
         """Without a budget: what memory_budget='auto' would buy at the measured length, or
