@@ -17,8 +17,10 @@ def diff(expected, got):
     out = []
     for step in range(t.STEPS):
         names = [n for n, g in eg[step].items() if not torch.equal(gg[step][n], g)]
-        layers = sorted({int(m.group(1)) for n in names for m in [re.search(r"layers\.(\d+)\.", n)] if m})
-        out.append((bool(torch.equal(el[step], gl[step])), len(names), layers[:8], [n.split("layers.")[-1] for n in names[:3]]))
+        layers = sorted({int(m.group(1)) for n in names
+                         for m in [re.search(r"layers\.(\d+)\.", n)] if m})
+        out.append((bool(torch.equal(el[step], gl[step])), len(names), layers[:8],
+                    [n.split("layers.")[-1] for n in names[:3]]))
     return out
 
 
@@ -71,7 +73,8 @@ def variant(name, transform=None, no_gradient_prefetch=False):
 
 
 def no_resident(plan):
-    return dataclasses.replace(plan, modes=tuple(CHECKPOINT if m == RESIDENT else m for m in plan.modes))
+    return dataclasses.replace(
+        plan, modes=tuple(CHECKPOINT if m == RESIDENT else m for m in plan.modes))
 
 
 def no_offload(plan):
