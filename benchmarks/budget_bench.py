@@ -371,7 +371,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         help="the budget mode's memory_budget (default auto), e.g. 76GiB")
     parser.add_argument("--empty-cache", action="store_true",
                         help="empty the allocator's cache before every timed step too")
-    parser.add_argument("--loss", default="hf", help="hf (the model's own), liger or cce")
+    parser.add_argument("--loss", default="hf",
+                        help="hf (the model's own), liger (its fused loss), liger_full (its "
+                             "default model patch) or cce")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     # The budget's measurements and plans, as a Trainer's log would show them.

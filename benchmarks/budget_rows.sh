@@ -26,6 +26,8 @@
 #          every measured one is measured itself (MEASURED_LENGTH_RATIO, off by default)
 #   liger  Liger's fused linear cross-entropy (.peers/site, tools/gpu_peers.sh): 8B at 80 GiB,
 #          s8k and s16k, with ckpt_offload today beside the budget
+#   liger_full the same with Liger's default model patch (its rotary embedding, RMSNorm and
+#          SwiGLU too: what Axolotl's Liger plugin turns on)
 set -u
 part=$1
 export PYTHONUNBUFFERED=1
@@ -113,5 +115,9 @@ case $part in
     bench liger 200 --loss liger --configs llama3-8b:8192:80,llama3-8b:16384:80 \
       --modes ckpt,ckpt_offload,budget --rounds 2 --empty-cache
     rm -f "$OUT"/liger/budget_bench.md ;;
+  liger_full)
+    bench liger_full 200 --loss liger_full --configs llama3-8b:8192:80,llama3-8b:16384:80 \
+      --modes ckpt,ckpt_offload,budget --rounds 2 --empty-cache
+    rm -f "$OUT"/liger_full/budget_bench.md ;;
 esac
 echo "part $part done"

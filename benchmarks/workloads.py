@@ -10,6 +10,9 @@ Losses:
 - liger: Liger-Kernel's fused linear cross-entropy, patched onto the model instance the way
   `apply_liger_kernel_to_<family>(model=...)` does (only that patch, so the layers are the
   same as hf's);
+- liger_full: Liger-Kernel's model patch with its defaults (rotary embedding, RMSNorm,
+  SwiGLU and the fused loss), what Axolotl's Liger plugin turns on; it also patches
+  transformers' module for every model built after it in the process;
 - cce: Cut Cross-Entropy's `linear_cross_entropy` on the decoder's last hidden state and
   the LM head's weight, in the causal LM's forward (the PyPI package has no model patch:
   this is the forward its users write).
@@ -42,7 +45,7 @@ SHAPES: Dict[str, Dict] = {
                        head_dim=64, vocab_size=4096, tie_word_embeddings=False),
 }
 
-LOSSES = ("hf", "liger", "cce")
+LOSSES = ("hf", "liger", "liger_full", "cce")
 
 # Long enough for every benchmark here; rotary tables are computed per step, not stored.
 MAX_POSITIONS = 1 << 20
@@ -102,14 +105,27 @@ def lora_model(base, loss: str = "hf"):
     return model
 
 
+# The losses patched in this process: liger_full changes transformers' module for every model
+# (built before or after it: layers look the module's functions up as they run).
+_PATCHED_LOSSES: set = set()
+
+
 def patch_loss(model, loss: str) -> None:
     """Makes `model` (a causal LM, before peft wraps it) compute its loss with `loss`."""
-    if loss == "liger":
+    losses = _PATCHED_LOSSES | {loss}
+    if "liger_full" in losses and len(losses) > 1:
+        raise SystemExit(f"loss: liger_full patches transformers for the whole process; run "
+                         f"{', '.join(sorted(losses - {'liger_full'}))} in another one")
+    _PATCHED_LOSSES.add(loss)
+    if loss in ("liger", "liger_full"):
         from liger_kernel.transformers import monkey_patch
 
         apply = getattr(monkey_patch, f"apply_liger_kernel_to_{model.config.model_type}")
-        apply(rope=False, cross_entropy=False, fused_linear_cross_entropy=True, rms_norm=False,
-              swiglu=False, model=model)
+        if loss == "liger_full":
+            apply(model=model)
+        else:
+            apply(rope=False, cross_entropy=False, fused_linear_cross_entropy=True,
+                  rms_norm=False, swiglu=False, model=model)
     elif loss == "cce":
         model.forward = types.MethodType(_cce_forward, model)
 
