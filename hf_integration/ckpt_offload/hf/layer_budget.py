@@ -345,19 +345,18 @@ class _OutputMeter(TorchDispatchMode):
         return out
 
     def _before(self, func, args, kwargs):
-        """Names the op; marks the candidates it writes to in place. Returns (key, the
-        storages of its inputs)."""
+        """Names the op; marks the candidates it writes to in place and checks those it
+        reads (see finish()). Returns (key, its input tensors by storage)."""
         key = _counted_key(self.counts, func)
-        inputs = {_storage_key(t) for t in tree_leaves((args, kwargs))
+        inputs = {_storage_key(t): t for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and _has_storage(t)}
         if not _returns_alias(func):  # an op that reads its inputs' content
-            for storage in inputs:
+            for storage, tensor in inputs.items():
                 owner = self._by_storage.get(storage)
                 if owner is not None and owner not in self.excluded:
                     self._read.add(owner)
-                    ref, made = self._made[storage]
-                    self._checks.append((owner, made, _content_sum(
-                        torch.UntypedStorage._new_with_weak_ptr(ref.cdata))))
+                    self._checks.append((owner, self._made[storage][1],
+                                         _content_sum(tensor.untyped_storage())))
         for written in _written_tensors(func, args, kwargs):
             if not _has_storage(written):
                 continue
@@ -379,7 +378,7 @@ class _OutputMeter(TorchDispatchMode):
         except (RuntimeError, NotImplementedError):  # a tensor without storage
             return
         storages = set(by_storage)
-        if storages & inputs:
+        if storages & inputs.keys():
             return
         size = sum(t.untyped_storage().nbytes() for t in by_storage.values())
         self.ops[key] = [storages, size, interval]
