@@ -442,6 +442,38 @@ def test_outputs_in_transit_are_counted_and_their_windows_shrink_to_fit(room_gib
     assert (plan.offloaded_output_bytes == pytest.approx(29 * full, rel=1e-6)) == fits_whole
 
 
+@pytest.mark.parametrize("budget_gib", [40, 55, 70])
+@pytest.mark.parametrize("resident_storages", [False, True])
+def test_outputs_in_transit_are_counted_beside_the_checkpointed_layers_only(
+        budget_gib, resident_storages):
+    """With the step's peak in the layers' backward (a fused loss), the offloaded outputs
+    are in transit only from the lowest resident layer's backward down (their prefetch
+    begins there): beside the resident layers' backward, everything kept but the resident
+    layer keeping least; beside the checkpointed layers', what they keep and the transit.
+    Resident layers offloading their own storages put transit beside their backward too."""
+    measured = dataclasses.replace(llama_8b_offloading(layer_phase_gib=18.77),
+                                   head_phase_peak_bytes=int(16.3 * GIB),
+                                   peak_bytes=int(18.77 * GIB),
+                                   activation_peak_bytes=int(3.53 * GIB))
+    offload = dataclasses.replace(ENGINE_DEFAULTS, resident_storages=resident_storages)
+    plan = plan_layers(measured, TOKENS, int(budget_gib * GIB), 0, offload)
+    resident = plan.count(RESIDENT)
+    assert plan.offloading_layers > 0 and resident >= 2
+    by_key = {o.key: o for o in measured.layers[0].outputs}
+    largest = max(sum(by_key[k].bytes_per_token for k in keys)
+                  for keys in plan.offloaded_outputs) * TOKENS
+    transit = 2 * largest
+    layer = 2.25 * GIB - (plan.resident_offloaded_bytes / resident)
+    below = plan.kept_output_bytes
+    kept = below + resident * layer
+    beside_resident = kept - layer + (transit if resident_storages else 0)
+    assert plan.predicted_allocated_bytes == pytest.approx(
+        18.77 * GIB + max(beside_resident, below + transit), abs=1024)
+    if not resident_storages:  # the transit would have been counted beside the resident layers
+        assert plan.predicted_allocated_bytes < 18.77 * GIB + kept - layer + transit - GIB / 4
+    assert plan.predicted_peak_bytes <= budget_gib * GIB
+
+
 def test_offloading_never_buys_less_and_resident_layers_offload_nothing():
     measured = llama_8b_offloading()
     saved = []

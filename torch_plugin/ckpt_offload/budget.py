@@ -29,10 +29,13 @@ Memory. A resident layer's saved tensors, and a selective layer's kept outputs, 
 from its forward to its backward (its recompute), so at the end of the forward (where the
 head's loss runs) all of them are live at once. The plan counts them by phase of the
 measured step (each phase's peak grown with tokens): all of them on top of the peak of the
-forward and the head; beside the layers' backward, all but the resident layer that keeps
-least (backward frees the resident layers first, and a layer's own saved tensors are in
-that phase's measured peak already: it recomputed them), plus the offloaded outputs in
-transit; the whole step's peak bounds both. With the model's own loss the head's float32
+forward and the head; beside the resident layers' backward, all but the resident layer that
+keeps least (backward frees the resident layers first, and a layer's own saved tensors are
+in that phase's measured peak already: it recomputed them); beside the checkpointed layers'
+backward, what they keep plus the offloaded outputs in transit (their prefetch begins with
+the lowest resident layer's backward: none is on the device beside the resident layers
+above it, unless those offload storages of their own, see "Resident layers"); the whole
+step's peak bounds all three. With the model's own loss the head's float32
 logits are the step's peak, and this is the whole step's peak plus all that is kept; with a
 fused loss, which makes no logits, the step peaks in the layers' backward (H100, 8B,
 Liger: the head rose 0.5 GiB at s8k, a layer's recompute and backward 2.8 GiB), where
@@ -73,10 +76,11 @@ its copy window: what the copy rate moves in the time of the layer's forward (it
 recompute time), less the layer's input. Each layer offloads its candidates by rank (seconds
 per byte), each that still fits its window, before the budget is spent: it costs no device
 memory beyond the layers in transit. Those are at most `layers_on_device` layers' outputs
-beside a layer's backward (the prefetched layers' and the one being recomputed; in forward,
-the copies in flight), counted above the measured peak of the layers' backward (not the
-head's), the largest layer's outputs each. The last layers offload none: their groups stay
-on the device (keep_last), or are still in flight, while the head runs. When the layers in
+beside a checkpointed layer's backward (the prefetched layers' and the one being
+recomputed; in forward, the copies in flight), counted above the measured peak of the
+layers' backward (not the head's), the largest layer's outputs each. The last layers
+offload none: their groups stay on the device (keep_last), or are still in flight, while
+the head runs. When the layers in
 transit do not fit the budget, every window shrinks by half until they fit or none is left.
 Host memory bounds them too: every layer's input and offloaded outputs are in the host pool
 at the end of the forward, beside what the head offloads, and a block the pool refuses
@@ -470,22 +474,40 @@ class _Phases:
                    layers=layer_phase_peak(measured, tokens), stranded=stranded,
                    layers_stranded=0.0 if measured.layer_phase_peak_bytes else stranded)
 
-    def allocated(self, kept: float, lowest_resident: float, transit: float) -> float:
+    def allocated(self, kept: float, resident: float, lowest_resident: float, transit: float,
+                  transit_beside_resident: bool = False) -> float:
         """The allocated peak with `kept` bytes kept through the step (resident layers'
-        saved tensors, selective layers' kept outputs), the resident layer keeping least
-        `lowest_resident` of them (0: none resident) and `transit` bytes of offloaded
-        outputs beside the layers' backward."""
+        saved tensors, selective layers' kept outputs), `resident` of them by the resident
+        layers, the one keeping least `lowest_resident` (0: none resident), and `transit`
+        bytes of offloaded outputs beside the checkpointed layers' backward (beside the
+        resident layers' too where `transit_beside_resident`: they offload storages)."""
         return max(self.step, self.head + kept,
-                   self.layers + transit + kept - lowest_resident)
+                   *(self.layers + kept for kept in
+                     self._beside_layers(kept, resident, lowest_resident, transit,
+                                         transit_beside_resident)))
 
-    def reserved(self, measured: StepMeasurement, tokens: int, kept: float,
-                 lowest_resident: float, transit: float) -> float:
+    def reserved(self, measured: StepMeasurement, tokens: int, kept: float, resident: float,
+                 lowest_resident: float, transit: float,
+                 transit_beside_resident: bool = False) -> float:
         """allocated() with the allocator's margins: the stranded pieces beside the head,
         and fragmentation_bytes() of what each phase keeps."""
         return max(self.step + self.stranded,
                    self.head + kept + self.stranded
                    + fragmentation_bytes(measured, tokens, kept),
-                   self.layers_reserved(measured, tokens, kept - lowest_resident + transit))
+                   *(self.layers_reserved(measured, tokens, kept) for kept in
+                     self._beside_layers(kept, resident, lowest_resident, transit,
+                                         transit_beside_resident)))
+
+    @staticmethod
+    def _beside_layers(kept: float, resident: float, lowest_resident: float, transit: float,
+                       transit_beside_resident: bool) -> Tuple[float, ...]:
+        """What is live beside the layers' backward's measured peak (see "Memory"): beside
+        the resident layers', all that is kept but the resident layer keeping least; beside
+        the checkpointed layers' (below every resident one), what they keep and the transit."""
+        below = (kept - resident + transit,)
+        if resident <= 0:
+            return below
+        return below + (kept - lowest_resident + (transit if transit_beside_resident else 0.0),)
 
     def layers_reserved(self, measured: StepMeasurement, tokens: int, kept: float) -> float:
         """The layers' backward's reserved peak with `kept` bytes beside it."""
@@ -689,7 +711,10 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
     resident = [False] * count
     kept: List[FrozenSet[OpKey]] = [frozenset()] * count
     kept_bytes = 0.0  # what the plan keeps on the device through the step, all layers
+    resident_bytes = 0.0  # the part of it the resident layers keep
     lowest_resident = 0.0  # the fewest bytes a resident layer keeps (0: none resident)
+    # Resident layers' own offloaded storages are in transit beside their backward.
+    beside_resident = offload is not None and offload.resident_storages
     saved = sum(offloaded_seconds) * tokens
     while True:
         best: Optional[int] = None
@@ -705,14 +730,16 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
             break
         step = steps[best][taken[best]]
         more = kept_bytes + step.bytes_per_token * tokens
-        lowest = lowest_resident
+        lowest, more_resident = lowest_resident, resident_bytes
         if step.resident:
             layer_bytes = sum(s.bytes_per_token for s in steps[best][:taken[best] + 1]) * tokens
             lowest = min(lowest or math.inf, layer_bytes)
-        if phases.reserved(measured, tokens, more, lowest, transit) + reserve_bytes > budget_bytes:
+            more_resident += layer_bytes
+        if (phases.reserved(measured, tokens, more, more_resident, lowest, transit,
+                            beside_resident) + reserve_bytes > budget_bytes):
             stopped[best] = True
             continue
-        kept_bytes, lowest_resident = more, lowest
+        kept_bytes, resident_bytes, lowest_resident = more, more_resident, lowest
         saved += step.seconds_per_token * tokens
         taken[best] += 1
         resident[best] = step.resident
@@ -727,10 +754,13 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                               for i in range(count))
     resident_offloaded = tuple(storages[i][0] if modes[i] == RESIDENT else frozenset()
                                for i in range(count))
-    resident_bytes = sum(storages[i][1] for i in range(count) if modes[i] == RESIDENT) * tokens
+    resident_offloaded_bytes = sum(storages[i][1] for i in range(count)
+                                   if modes[i] == RESIDENT) * tokens
     offloaded_bytes = sum(allowance[i] for i in range(count) if modes[i] != RESIDENT) * tokens
-    predicted = phases.reserved(measured, tokens, kept_bytes, lowest_resident, transit)
-    allocated = phases.allocated(kept_bytes, lowest_resident, transit)
+    predicted = phases.reserved(measured, tokens, kept_bytes, resident_bytes, lowest_resident,
+                                transit, beside_resident)
+    allocated = phases.allocated(kept_bytes, resident_bytes, lowest_resident, transit,
+                                 beside_resident)
     return LayerPlan(tokens=tokens, budget_bytes=int(budget_bytes), modes=modes,
                      predicted_peak_bytes=int(predicted), predicted_seconds_saved=saved,
                      checkpointed_peak_bytes=base, reserve_bytes=int(reserve_bytes),
@@ -738,7 +768,7 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                      offloaded_outputs=offloaded_outputs,
                      offloaded_output_bytes=int(round(offloaded_bytes)),
                      host_limited_bytes=host_limited, resident_offloaded=resident_offloaded,
-                     resident_offloaded_bytes=int(round(resident_bytes)),
+                     resident_offloaded_bytes=int(round(resident_offloaded_bytes)),
                      predicted_allocated_bytes=int(allocated))
 
 
@@ -752,7 +782,7 @@ def _offloaded_plan(measured: StepMeasurement, tokens: int, phases: _Phases, bud
     count = len(measured.layers)
     none = [frozenset()] * count, [0.0] * count, 0.0, 0
     if (offload is None or offload.bytes_per_second <= 0
-            or phases.reserved(measured, tokens, 0.0, 0.0, 0.0) > budget):
+            or phases.reserved(measured, tokens, 0.0, 0.0, 0.0, 0.0) > budget):
         return none
     share = offload.window_share
     for _ in range(WINDOW_HALVINGS + 1):
