@@ -9,7 +9,8 @@ budget's plan. A traced step records the allocator's allocated bytes and its pea
 stretch: each decoder layer's forward, the head (the last layer's forward end to its
 gradient), each layer's backward (its output's gradient to the layer below's). The budget's
 figures beside them: the measured step's phase peaks, and the terms of its plan's predicted
-allocated peak (_Phases.allocated: kept, the resident layer keeping least, the transit).
+allocated peak (_Phases.allocated: kept, the resident layers' part and the one keeping
+least, the transit).
 Tracing resets the allocator's peak at every boundary, so no traced step is a measured one.
 """
 
@@ -122,13 +123,13 @@ def run_config(base, shape: str, seq: int, cap: str, loss: str) -> Dict:
     calls = []  # every _Phases.allocated call: its terms and its result
     original = policy._Phases.allocated
 
-    def recorded(self, kept, lowest_resident, transit):
-        result = original(self, kept, lowest_resident, transit)
+    def recorded(self, kept, resident, lowest_resident, transit, *rest):
+        result = original(self, kept, resident, lowest_resident, transit, *rest)
         calls.append(dict(step_gib=self.step / GIB, head_gib=self.head / GIB,
                           layers_gib=self.layers / GIB, stranded_gib=self.stranded / GIB,
                           layers_stranded_gib=self.layers_stranded / GIB, kept_gib=kept / GIB,
-                          lowest_resident_gib=lowest_resident / GIB, transit_gib=transit / GIB,
-                          allocated_gib=result / GIB))
+                          resident_gib=resident / GIB, lowest_resident_gib=lowest_resident / GIB,
+                          transit_gib=transit / GIB, allocated_gib=result / GIB))
         return result
 
     policy._Phases.allocated = recorded
