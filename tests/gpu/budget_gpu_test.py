@@ -7,8 +7,8 @@ gradients are bit-identical to full checkpointing (eager attention: deterministi
 kernels). With Llama
 3's vocabulary, a budget of the checkpointed step's own peak and room for the outputs in
 transit offloads op outputs through the engine, bit-identically, at the memory
-ckpt_offload uses without a budget and that room. A layer's recompute time does not count
-the meter's own work.
+ckpt_offload uses without a budget and that room. Neither a layer's recompute time nor the
+measured step's peak counts the meter's own work.
 
     python -m pytest -s tests/gpu/budget_gpu_test.py
 """
@@ -239,3 +239,30 @@ def test_a_layers_recompute_time_leaves_out_the_meters_own_work(monkeypatch):
     assert ops_per_layer >= 20
     assert all(c.outputs for c in measured.layers)  # every layer was metered
     assert slowest < ops_per_layer * delay / 2
+
+
+def test_the_measured_step_peaks_where_an_unmeasured_one_does():
+    """The meter's own work (op timing, content checks) adds nothing to the measured step's
+    peak, above which a plan counts what it keeps: the same as a step of ckpt_offload
+    without a budget. The largest output the checks read is eager attention's
+    probabilities (1 GiB a layer here)."""
+    from ckpt_offload.hf import enable_activation_offload
+
+    plain = lora_llama()
+    plain_handle = enable_activation_offload(plain)
+    run(plain)
+    breakdown = plain_handle.peak_breakdown()
+    plain_handle.disable()
+    del plain
+    gc.collect()
+    torch.cuda.empty_cache()
+    model = lora_llama()
+    handle = enable_activation_offload(model, memory_budget="1TiB")
+    run(model, handle)
+    measured = handle._budget.measurement
+    handle.disable()
+    assert breakdown is not None and measured is not None
+    difference = measured.activation_peak_bytes - breakdown["step_peak_bytes"]
+    print(f"activation peak: measured step {measured.activation_peak_bytes / GIB:.3f} GiB, "
+          f"ckpt_offload's {breakdown['step_peak_bytes'] / GIB:.3f} GiB")
+    assert abs(difference) <= 64 * 2**20

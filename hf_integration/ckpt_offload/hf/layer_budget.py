@@ -445,12 +445,16 @@ def _returns_alias(func) -> bool:
 
 
 def _content_sum(storage) -> torch.Tensor:
-    """The sum of `storage`'s bytes read as integers (four at a time where they divide), a
-    device scalar: it changes when anything writes the storage."""
+    """The sum of `storage`'s bytes read as integers (eight at a time where they divide,
+    else four, two, one), wrapping, a device scalar: it changes when anything writes the
+    storage. Summed in the words' own type: a wider sum first copies the storage into the
+    wider type, and the measured step's peak (of which this is no part) rose by twice the
+    largest output read."""
     flat = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-    if storage.nbytes() % 4 == 0:
-        flat = flat.view(torch.int32)
-    return flat.sum(dtype=torch.int64)
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if storage.nbytes() % dtype.itemsize == 0:
+            return flat.view(dtype).sum(dtype=dtype)
+    return flat.sum(dtype=torch.uint8)
 
 
 def _written_tensors(func, args, kwargs) -> List[torch.Tensor]:
