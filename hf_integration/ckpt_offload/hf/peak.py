@@ -19,6 +19,8 @@ memory allocated when the step began:
   recomputes and backward, above what was allocated when the step began;
 - head_phase_peak_bytes (not a part): the same from the step's beginning until the first
   layer recompute (the forward, then the head's stretch);
+- forward_peak_bytes, head_peak_bytes (not parts): the same for the forward alone (until
+  the last checkpointed layer's forward ended) and for the head's stretch alone;
 - head_stranded_bytes (not a part): the allocator's free pieces in segments that also hold
   live tensors as the head began (0 on CPU), which a fresh logits block cannot use;
 - dominant ("head_loss", "layer_recompute" or "hidden_states_kept") and advice.
@@ -226,6 +228,8 @@ class StepProfile:
         self.layer_recompute = 0
         self.layer_phase_peak = 0
         self.head_phase_peak = 0
+        self.forward_peak = 0
+        self.head_peak = 0
         self.hidden_states_kept = 0
         self.head_stranded = 0  # the meter's stranded() as the last layer's forward ended
         self._inputs: Dict[int, Tuple[StorageWeakRef, int]] = {}  # tagged layer inputs
@@ -243,6 +247,10 @@ class StepProfile:
         rise = peak - self.stretch_start
         if self.phase == "forward" or self.stretch == "head":
             self.head_phase_peak = max(self.head_phase_peak, peak)
+        if self.phase == "forward":
+            self.forward_peak = max(self.forward_peak, peak)
+        elif self.stretch == "head":
+            self.head_peak = max(self.head_peak, peak)
         if self.phase != "forward":  # in forward, a "head" stretch ended by a layer was none
             if self.stretch == "head":
                 self.head_loss = rise
@@ -418,6 +426,8 @@ class PeakTracker:
         self.result.update(micro_step=profile.micro_step, meter=profile.meter.name,
                            layer_phase_peak_bytes=max(0, int(profile.layer_phase_peak)),
                            head_phase_peak_bytes=max(0, int(profile.head_phase_peak)),
+                           forward_peak_bytes=max(0, int(profile.forward_peak)),
+                           head_peak_bytes=max(0, int(profile.head_peak)),
                            head_stranded_bytes=int(profile.head_stranded))
         self._removing.append(profile.meter)
         if self.current is profile:
