@@ -126,6 +126,7 @@ def run_config(base, shape: str, seq: int, cap: str, loss: str) -> Dict:
     def recorded(self, kept, resident, lowest_resident, transit, *rest):
         result = original(self, kept, resident, lowest_resident, transit, *rest)
         calls.append(dict(step_gib=self.step / GIB, head_gib=self.head / GIB,
+                          forward_gib=self.forward / GIB,
                           layers_gib=self.layers / GIB, stranded_gib=self.stranded / GIB,
                           layers_stranded_gib=self.layers_stranded / GIB, kept_gib=kept / GIB,
                           resident_gib=resident / GIB, lowest_resident_gib=lowest_resident / GIB,
@@ -166,6 +167,8 @@ def run_config(base, shape: str, seq: int, cap: str, loss: str) -> Dict:
             measured=dict(peak_gib=measured.peak_bytes / GIB,
                           activation_peak_gib=measured.activation_peak_bytes / GIB,
                           head_phase_gib=measured.head_phase_peak_bytes / GIB,
+                          forward_gib=measured.forward_peak_bytes / GIB,
+                          head_gib=measured.head_peak_bytes / GIB,
                           layer_phase_gib=measured.layer_phase_peak_bytes / GIB,
                           head_rise_gib=measured.head_rise_bytes / GIB,
                           stranded_gib=measured.stranded_bytes / GIB),

@@ -569,10 +569,14 @@ def test_a_fused_loss_plan_counts_kept_bytes_where_the_step_peaks(monkeypatch):
         handle.disable()
     assert measured.head_phase_peak_bytes < measured.layer_phase_peak_bytes
     assert 0 < measured.head_rise_bytes < measured.layers[0].saved_bytes_per_token * 64
+    assert measured.head_phase_peak_bytes == max(measured.forward_peak_bytes,
+                                                 measured.head_peak_bytes)
+    assert measured.head_peak_bytes > 0 and measured.forward_peak_bytes > 0
     budget = budget_for(measured, 64, 2)
     plan = plan_layers(measured, 64, budget)
     blind = plan_layers(dataclasses.replace(measured, layer_phase_peak_bytes=0,
-                                            head_phase_peak_bytes=0, head_rise_bytes=0),
+                                            head_phase_peak_bytes=0, head_rise_bytes=0,
+                                            forward_peak_bytes=0, head_peak_bytes=0),
                         64, budget)
     assert plan.count(RESIDENT) > blind.count(RESIDENT)
 

@@ -219,8 +219,13 @@ def test_dominant_part_follows_the_vocabulary(vocab):
     assert result["head_phase_peak_bytes"] >= result["head_loss_bytes"]
     assert result["step_peak_bytes"] == max(result["head_phase_peak_bytes"],
                                             result["layer_phase_peak_bytes"])
+    # The forward's and the head's apart: the head's stretch holds its whole rise.
+    assert result["head_phase_peak_bytes"] == max(result["forward_peak_bytes"],
+                                                  result["head_peak_bytes"])
+    assert result["head_peak_bytes"] >= result["head_loss_bytes"] > 0
     if vocab == 8192:  # logits: 8 MiB, 32 hidden states
         assert result["head_phase_peak_bytes"] > result["layer_phase_peak_bytes"]
+        assert result["head_peak_bytes"] > result["forward_peak_bytes"]
         assert result["dominant"] == "head_loss"
         assert "Liger's fused linear cross-entropy" in result["advice"]
         assert "Cut Cross-Entropy" in result["advice"]
@@ -228,6 +233,7 @@ def test_dominant_part_follows_the_vocabulary(vocab):
         assert f"{share:.0%} of the step's peak" in result["advice"] and share > 0.9
     else:  # logits: half a hidden state
         assert result["head_phase_peak_bytes"] < result["layer_phase_peak_bytes"]
+        assert 0 < result["forward_peak_bytes"] < result["layer_phase_peak_bytes"]
         assert result["dominant"] == "layer_recompute"
         assert "offload cannot reduce it further" in result["advice"]
         assert result["layer_recompute_bytes"] > result["head_loss_bytes"]

@@ -396,8 +396,32 @@ def test_a_fused_losss_phases_let_more_layers_stay_resident():
         max(17.31 + resident * 2.25, 18.77 + (resident - 1) * 2.25) * 2**30, abs=2**20)
 
 
+def test_the_forward_and_the_heads_peaks_apart():
+    """The Trainer log's figures measured apart (H100, Liger, s8k: the forward at 17.15 GiB,
+    the head at 16.15): all that is kept counts on top of the head's peak and the resident
+    layers' forward as their backward, so the plan keeps more than with the two together."""
+    def liger(*phases):
+        return json.loads(run(
+            "--preset=llama-8b", "--seq=8192", "--step_peak_gib=18.62", "--layer_gib=2.25",
+            "--layer_ms=13.3", "--step_ms=1458", "--stranded_gib=1.04",
+            "--memory_budget=74.5GiB", "--json", "--layer_phase_peak_gib=18.62",
+            "--head_rise_gib=0.5", *RESIDENT_ONLY, *phases).stdout)["memory_budget"]
+
+    together = liger("--head_peak_gib=17.15")
+    apart = liger("--forward_peak_gib=17.15", "--head_peak_gib=16.15")
+    assert apart["resident_layers"] > together["resident_layers"]
+    resident = apart["resident_layers"]
+    assert apart["predicted_allocated_bytes"] == pytest.approx(
+        max(16.15 + resident * 2.25, 18.62 + (resident - 1) * 2.25) * 2**30, abs=2**20)
+    assert apart["predicted_peak_bytes"] <= 74.5 * 2**30
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--memory_budget=80GiB", "--step_peak_gib=27", "--head_peak_gib=28"], "--head_peak_gib"),
+    (["--memory_budget=80GiB", "--step_peak_gib=27", "--forward_peak_gib=17"],
+     "--forward_peak_gib"),
+    (["--memory_budget=80GiB", "--step_peak_gib=27", "--forward_peak_gib=28",
+      "--head_peak_gib=17"], "--forward_peak_gib"),
     (["--memory_budget=80GiB", "--step_peak_gib=27", "--layer_phase_peak_gib=0"],
      "--layer_phase_peak_gib"),
     (["--memory_budget=80GiB", "--step_peak_gib=27", "--head_rise_gib=x"], "--head_rise_gib"),

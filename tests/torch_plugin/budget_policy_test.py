@@ -115,6 +115,33 @@ def test_a_fused_loss_counts_kept_bytes_where_the_step_peaks(budget_gib):
         assert plan.predicted_peak_bytes + layer > budget
 
 
+@pytest.mark.parametrize("budget_gib", [30, 50, 74.5])
+def test_the_forward_and_the_head_measured_apart(budget_gib):
+    """The H100's figures (8B, Liger, s8k): the forward peaks with a checkpointed layer's
+    transients (17.15 GiB), above the head (16.15). All that is kept counts on top of the
+    head's peak; the resident layers' forward is bounded by their backward's count, and the
+    forward's own peak counts only what the checkpointed layers keep: the plan keeps more
+    than with the two measured together, and its prediction is the highest of those terms."""
+    together = dataclasses.replace(liger_8b(), peak_bytes=int(18.62 * GIB),
+                                   layer_phase_peak_bytes=int(18.62 * GIB),
+                                   head_phase_peak_bytes=int(17.15 * GIB))
+    apart = dataclasses.replace(together, forward_peak_bytes=int(17.15 * GIB),
+                                head_peak_bytes=int(16.15 * GIB))
+    budget, layer = int(budget_gib * GIB), 2.25 * GIB
+    plan = plan_layers(apart, TOKENS, budget)
+    kept = plan.count(RESIDENT) * layer + plan.kept_output_bytes
+    assert plan.count(RESIDENT) >= 1 and plan.predicted_peak_bytes <= budget
+    assert plan.predicted_allocated_bytes == pytest.approx(
+        max(16.15 * GIB + kept, 18.62 * GIB + kept - layer,
+            17.15 * GIB + plan.kept_output_bytes), abs=64)
+    assert plan.predicted_allocated_bytes < 17.15 * GIB + kept
+    before = plan_layers(together, TOKENS, budget)
+    assert plan.predicted_seconds_saved >= before.predicted_seconds_saved
+    assert plan.count(RESIDENT) >= before.count(RESIDENT)
+    if budget_gib == 74.5:
+        assert plan.count(RESIDENT) > before.count(RESIDENT)
+
+
 def test_with_the_models_loss_the_phases_change_nothing():
     """The head's logits are the step's peak and its blocks large: every kept byte counts
     on top of that peak, with the full margin, as without the phase figures."""

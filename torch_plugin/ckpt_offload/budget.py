@@ -28,19 +28,26 @@ measured peak linearly with tokens.
 Memory. A resident layer's saved tensors, and a selective layer's kept outputs, are live
 from its forward to its backward (its recompute), so at the end of the forward (where the
 head's loss runs) all of them are live at once. The plan counts them by phase of the
-measured step (each phase's peak grown with tokens): all of them on top of the peak of the
-forward and the head; beside the resident layers' backward, all but the resident layer that
-keeps least (backward frees the resident layers first, and a layer's own saved tensors are
-in that phase's measured peak already: it recomputed them); beside the checkpointed layers'
-backward, what they keep plus the offloaded outputs in transit (their prefetch begins with
-the lowest resident layer's backward: none is on the device beside the resident layers
-above it, unless those offload storages of their own, see "Resident layers"); the whole
-step's peak bounds all three. With the model's own loss the head's float32
-logits are the step's peak, and this is the whole step's peak plus all that is kept; with a
-fused loss, which makes no logits, the step peaks in the layers' backward (H100, 8B,
-Liger: the head rose 0.5 GiB at s8k, a layer's recompute and backward 2.8 GiB), where
-counting every resident layer put the prediction 3.6 GiB above the plan's allocations (19
-resident layers, s8k).
+measured step (each phase's peak grown with tokens): all of them on top of the head's peak;
+on top of the forward's, what the checkpointed layers keep and the offloaded outputs in
+transit (the copies in flight); beside the layers' backward while resident layers run, all
+but the resident layer that keeps least (backward frees the resident layers first, and a
+layer's own saved tensors are in that phase's measured peak already: it recomputed them),
+which bounds their forward too (a resident layer's forward runs its recompute's ops, saving
+the same tensors, on top of what the layers below it keep; H100, 8B, Liger, s8k: 70.57 GiB
+at the last layer's forward against 70.81 counted); beside it while checkpointed layers
+run, what they keep plus the offloaded outputs in transit (their prefetch begins with the
+lowest resident layer's backward: none is on the device beside the resident layers above
+it, unless those offload storages of their own, see "Resident layers"); the whole step's
+peak bounds all. Where the forward and the head were not measured apart, their common peak
+stands for the head's and the forward has no term of its own. With the model's own loss
+the head's float32 logits are the step's peak, and this is the whole step's peak plus all
+that is kept; with a fused loss, which makes no logits, the step peaks in the layers'
+backward (H100, 8B, Liger: the head rose 0.5 GiB at s8k, a layer's recompute and backward
+2.8 GiB), where counting every resident layer put the prediction 3.6 GiB above the plan's
+allocations (19 resident layers, s8k), and the forward's peak (a checkpointed layer's
+transients, 1.5 GiB above its start) is above the head's: counting all that is kept on top
+of it put the prediction 1.0 GiB above.
 
 Reserved memory is more: what a layer keeps lies in segments cut for its forward's
 transients, and the free pieces beside it cannot hold the head's large blocks (a language
@@ -256,13 +263,17 @@ class StepMeasurement:
     # allocated above what was allocated as it began: the blocks the head asks for, which
     # bound what the allocator strands beside kept tensors (see "Memory"); 0: unknown.
     head_rise_bytes: int = 0
+    # The head_phase_peak_bytes of the forward alone (until the last layer's forward ended)
+    # and of the head's stretch alone; 0: unknown (head_phase_peak_bytes stands for both).
+    forward_peak_bytes: int = 0
+    head_peak_bytes: int = 0
 
     def __post_init__(self):
         if self.tokens <= 0:
             raise ValueError(f"StepMeasurement.tokens: must be > 0, got {self.tokens}")
         if min(self.peak_bytes, self.activation_peak_bytes, self.layer_phase_peak_bytes,
                self.host_peak_bytes, self.stranded_bytes, self.head_phase_peak_bytes,
-               self.head_rise_bytes) < 0:
+               self.head_rise_bytes, self.forward_peak_bytes, self.head_peak_bytes) < 0:
             raise ValueError("StepMeasurement: peak figures must be >= 0")
 
 
@@ -456,12 +467,14 @@ def fragmentation_bytes(measured: StepMeasurement, tokens: int, kept_bytes: floa
 @dataclasses.dataclass(frozen=True)
 class _Phases:
     """A step's predicted allocated peaks with every layer checkpointed (see "Memory"): the
-    whole step's, its forward and head's, its layers' backward's; the free pieces stranded
+    whole step's; its head's (the forward and head's, where they were not measured apart);
+    its forward's (0: not measured apart); its layers' backward's; the free pieces stranded
     as its head began, and beside its layers' backward (the same where that phase was not
     measured: its peak is the step's then, 0 where it was)."""
 
     step: float
     head: float
+    forward: float
     layers: float
     stranded: float
     layers_stranded: float
@@ -470,7 +483,12 @@ class _Phases:
     def of(cls, measured: StepMeasurement, tokens: int) -> "_Phases":
         step = checkpointed_allocated_peak(measured, tokens)
         stranded = checkpointed_peak(measured, tokens) - step
-        return cls(step=step, head=head_phase_peak(measured, tokens),
+        apart = measured.forward_peak_bytes > 0 and measured.head_peak_bytes > 0
+        return cls(step=step,
+                   head=(_grown_phase(measured, measured.head_peak_bytes, tokens) if apart
+                         else head_phase_peak(measured, tokens)),
+                   forward=(_grown_phase(measured, measured.forward_peak_bytes, tokens)
+                            if apart else 0.0),
                    layers=layer_phase_peak(measured, tokens), stranded=stranded,
                    layers_stranded=0.0 if measured.layer_phase_peak_bytes else stranded)
 
@@ -479,9 +497,11 @@ class _Phases:
         """The allocated peak with `kept` bytes kept through the step (resident layers'
         saved tensors, selective layers' kept outputs), `resident` of them by the resident
         layers, the one keeping least `lowest_resident` (0: none resident), and `transit`
-        bytes of offloaded outputs beside the checkpointed layers' backward (beside the
-        resident layers' too where `transit_beside_resident`: they offload storages)."""
-        return max(self.step, self.head + kept,
+        bytes of offloaded outputs beside the checkpointed layers' forward and backward
+        (beside the resident layers' too where `transit_beside_resident`: they offload
+        storages)."""
+        below = kept - resident + transit
+        return max(self.step, self.head + kept, self.forward + below if self.forward else 0.0,
                    *(self.layers + kept for kept in
                      self._beside_layers(kept, resident, lowest_resident, transit,
                                          transit_beside_resident)))
@@ -491,9 +511,12 @@ class _Phases:
                  transit_beside_resident: bool = False) -> float:
         """allocated() with the allocator's margins: the stranded pieces beside the head,
         and fragmentation_bytes() of what each phase keeps."""
+        below = kept - resident + transit
         return max(self.step + self.stranded,
                    self.head + kept + self.stranded
                    + fragmentation_bytes(measured, tokens, kept),
+                   self.forward + below + fragmentation_bytes(measured, tokens, below)
+                   if self.forward else 0.0,
                    *(self.layers_reserved(measured, tokens, kept) for kept in
                      self._beside_layers(kept, resident, lowest_resident, transit,
                                          transit_beside_resident)))
@@ -502,8 +525,9 @@ class _Phases:
     def _beside_layers(kept: float, resident: float, lowest_resident: float, transit: float,
                        transit_beside_resident: bool) -> Tuple[float, ...]:
         """What is live beside the layers' backward's measured peak (see "Memory"): beside
-        the resident layers', all that is kept but the resident layer keeping least; beside
-        the checkpointed layers' (below every resident one), what they keep and the transit."""
+        the resident layers' (and their forward), all that is kept but the resident layer
+        keeping least; beside the checkpointed layers' (below every resident one), what they
+        keep and the transit."""
         below = (kept - resident + transit,)
         if resident <= 0:
             return below

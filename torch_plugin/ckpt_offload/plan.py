@@ -60,6 +60,9 @@ Also (python -m ckpt_offload.plan only):
                             layers' backward (the Trainer log's measurement line; default:
                             the step's peak for both): what the plan keeps counts where it
                             is live (a fused loss's step peaks in the layers' backward)
+  --forward_peak_gib=N      the same step's peak in its forward alone (same line); with
+                            it, --head_peak_gib is its head's alone (both are required):
+                            a resident layer's forward is counted as its backward is
   --head_rise_gib=N         what that step's head allocated above its start (same line;
                             default: unknown): bounds the allocator's margin
   --layer_gib=N             one layer's saved tensors (default: estimated from the shape)
@@ -72,7 +75,8 @@ Also (python -m ckpt_offload.plan only):
 
 # The flags python -m ckpt_offload.plan reads for a memory budget (the others go to the planner).
 BUDGET_FLAGS = ("memory_budget", "device_gib", "step_peak_gib", "stranded_gib",
-                "head_peak_gib", "layer_phase_peak_gib", "head_rise_gib", "layer_gib",
+                "head_peak_gib", "layer_phase_peak_gib", "forward_peak_gib", "head_rise_gib",
+                "layer_gib",
                 "layer_ms", "step_ms", "kept_gib", "kept_ms")
 
 # A decoder layer's saved bytes per token in bf16 (twice that in fp32): 44 x hidden + 8 x ffn.
@@ -268,12 +272,17 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
     else:
         outputs = (KeptOutput(("kept", 0), kept_gib * GIB / tokens, kept_ms / 1e3 / tokens),)
     stranded_gib = _positive(flags, "stranded_gib", True) or 0.0
-    phases = {name: _positive(flags, name) for name in ("head_peak_gib", "layer_phase_peak_gib")}
+    phases = {name: _positive(flags, name)
+              for name in ("head_peak_gib", "layer_phase_peak_gib", "forward_peak_gib")}
     for name, gib in phases.items():
         if gib is not None and gib > step_peak_gib:
             raise ConfigError(f"--{name}: at most --step_peak_gib ({step_peak_gib:g}; the "
                               f"step's peak is its higher phase's), got {flags[name]!r}")
     head_rise_gib = _positive(flags, "head_rise_gib") or 0.0
+    apart = phases["forward_peak_gib"] is not None
+    if apart and phases["head_peak_gib"] is None:
+        raise ConfigError("--forward_peak_gib: needs --head_peak_gib (the head's peak alone)")
+    head_phase_gib = max(phases["head_peak_gib"] or 0, phases["forward_peak_gib"] or 0)
     measured = uniform_measurement(
         plan["layers"], tokens, layer_gib * GIB / tokens, layer_ms / 1e3 / tokens,
         peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0, outputs=outputs)
@@ -288,9 +297,11 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
                                 storages=tuple(pieces) + (whole - sum(pieces),))
     measured = dataclasses.replace(
         measured, layers=(layer,) * plan["layers"], stranded_bytes=int(stranded_gib * GIB),
-        head_phase_peak_bytes=int((phases["head_peak_gib"] or 0) * GIB),
+        head_phase_peak_bytes=int(head_phase_gib * GIB),
         layer_phase_peak_bytes=int((phases["layer_phase_peak_gib"] or 0) * GIB),
-        head_rise_bytes=int(head_rise_gib * GIB))
+        head_rise_bytes=int(head_rise_gib * GIB),
+        forward_peak_bytes=int((phases["forward_peak_gib"] or 0) * GIB),
+        head_peak_bytes=int((phases["head_peak_gib"] or 0) * GIB) if apart else 0)
     offload = OutputOffload.for_engine(
         plan["d2h_gbps"] * 1e9, plan["keep_last"], plan["prefetch_depth"],
         plan["max_inflight_d2h_groups"], OffloadConfig().min_offload_bytes,

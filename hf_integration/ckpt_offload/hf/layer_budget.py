@@ -882,6 +882,8 @@ class LayerBudget:
             layer_phase_peak_bytes=self._phase_peak("layer_phase_peak_bytes"),
             head_phase_peak_bytes=self._phase_peak("head_phase_peak_bytes"),
             head_rise_bytes=self._head_rise(),
+            forward_peak_bytes=self._phase_peak("forward_peak_bytes"),
+            head_peak_bytes=self._phase_peak("head_peak_bytes"),
             # The step's figures, harvested as the next one began.
             host_peak_bytes=int(self.handle._latest.get("host_peak_bytes", 0)),
             stranded_bytes=self._head_stranded())
@@ -908,7 +910,8 @@ class LayerBudget:
 
     def _phase_peak(self, key: str) -> int:
         """The measured step's peak in one phase of the peak breakdown (`key`: the layers'
-        backward, or the forward and the head), weights and all (0: not profiled)."""
+        backward, the forward and the head, or either alone), weights and all (0: not
+        profiled)."""
         breakdown = self._measured_breakdown()
         if breakdown is None:
             return 0
@@ -990,7 +993,12 @@ class LayerBudget:
         layer_ms = max(c.recompute_seconds_per_token for c in measured.layers) * measured.tokens
         metered_ms = max((p.seconds for p in probes.values()), default=0.0)
         phases = ""
-        if measured.head_phase_peak_bytes:
+        if measured.forward_peak_bytes and measured.head_peak_bytes:
+            phases = (f" (its forward at {measured.forward_peak_bytes / GIB:.2f}, its head at "
+                      f"{measured.head_peak_bytes / GIB:.2f}, rising "
+                      f"{measured.head_rise_bytes / GIB:.2f}; its layers' backward at "
+                      f"{measured.layer_phase_peak_bytes / GIB:.2f})")
+        elif measured.head_phase_peak_bytes:
             phases = (f" (its forward and head at {measured.head_phase_peak_bytes / GIB:.2f}, "
                       f"the head rising {measured.head_rise_bytes / GIB:.2f}; its layers' "
                       f"backward at {measured.layer_phase_peak_bytes / GIB:.2f})")
