@@ -208,9 +208,12 @@ def run_config(shape: str, seq: int, cap: str, rounds: int, names, base, budget=
                 row["measured_recompute_ms"] = max(
                     c.recompute_seconds_per_token for c in measured.layers) * measured.tokens * 1e3
                 row["measured_peak_gib"] = measured.peak_bytes / GIB
-                # Where the checkpointed step peaked: the forward and the head, the layers'
-                # backward (allocated, weights and all), and what the head asked for.
+                # Where the checkpointed step peaked: the forward and the head (together and
+                # apart), the layers' backward (allocated, weights and all), and what the
+                # head asked for.
                 row["measured_head_phase_gib"] = measured.head_phase_peak_bytes / GIB
+                row["measured_forward_gib"] = measured.forward_peak_bytes / GIB
+                row["measured_head_gib"] = measured.head_peak_bytes / GIB
                 row["measured_layer_phase_gib"] = measured.layer_phase_peak_bytes / GIB
                 row["measured_head_rise_gib"] = measured.head_rise_bytes / GIB
                 # The middle layer's candidates: (op, ordinal, MiB, ms) at the measured length.
