@@ -91,7 +91,7 @@ def liger_8b():
 
 def without_phases(measured):
     return dataclasses.replace(measured, layer_phase_peak_bytes=0, head_phase_peak_bytes=0,
-                               head_rise_bytes=0)
+                               head_rise_bytes=0, forward_peak_bytes=0, head_peak_bytes=0)
 
 
 @pytest.mark.parametrize("budget_gib", [30, 50, 74.5])
@@ -142,12 +142,16 @@ def test_the_forward_and_the_head_measured_apart(budget_gib):
         assert plan.count(RESIDENT) > before.count(RESIDENT)
 
 
-def test_with_the_models_loss_the_phases_change_nothing():
+@pytest.mark.parametrize("forward_gib", [0, 17.2])
+def test_with_the_models_loss_the_phases_change_nothing(forward_gib):
     """The head's logits are the step's peak and its blocks large: every kept byte counts
-    on top of that peak, with the full margin, as without the phase figures."""
+    on top of that peak, with the full margin, as without the phase figures (the forward's
+    and the head's peaks measured apart or not)."""
     measured = dataclasses.replace(
         llama_8b(), layer_phase_peak_bytes=int(18.6 * GIB), head_phase_peak_bytes=int(27.5 * GIB),
-        head_rise_bytes=int(11.43 * GIB), stranded_bytes=int(1.04 * GIB))
+        head_rise_bytes=int(11.43 * GIB), stranded_bytes=int(1.04 * GIB),
+        forward_peak_bytes=int(forward_gib * GIB),
+        head_peak_bytes=int(27.5 * GIB) if forward_gib else 0)
     for budget_gib in (30, 45.3, 76, 120):
         plan = plan_layers(measured, TOKENS, int(budget_gib * GIB))
         blind = plan_layers(without_phases(measured), TOKENS, int(budget_gib * GIB))
