@@ -67,7 +67,8 @@ def run(model, handle=None, empty_cache=False):
                       if p.grad is not None})
         model.zero_grad(set_to_none=True)
         if handle is not None:
-            plans.append(handle.budget_stats())
+            plans.append(dict(handle.budget_stats(),
+                              allocated_peak_bytes=torch.cuda.max_memory_allocated()))
     return losses, grads, reserved, plans
 
 
@@ -144,6 +145,11 @@ def test_a_plan_at_a_cap_fits_and_is_bit_identical(loss, llama_module_restored):
     assert "resident" not in modes[:LAYERS - resident]
     assert max(reserved) <= cap
     assert max(reserved[2:]) <= plans[-1]["budget_predicted_peak_bytes"] + GIB
+    # Allocations: within 0.5 GiB of the prediction (the planner's target).
+    allocated = max(p["allocated_peak_bytes"] for p in plans[2:])
+    predicted = plans[-1]["budget_predicted_allocated_bytes"]
+    print(f"{loss}: allocated peak {allocated / GIB:.2f} GiB, predicted {predicted / GIB:.2f}")
+    assert abs(allocated - predicted) <= GIB / 2
     if not repeats:  # the loss's own kernels set what "the same" can mean
         assert largest_difference(expected_grads, grads) <= 2 * spread
         return

@@ -118,10 +118,11 @@ def test_a_fused_loss_counts_kept_bytes_where_the_step_peaks(budget_gib):
 @pytest.mark.parametrize("budget_gib", [30, 50, 74.5])
 def test_the_forward_and_the_head_measured_apart(budget_gib):
     """The H100's figures (8B, Liger, s8k): the forward peaks with a checkpointed layer's
-    transients (17.15 GiB), above the head (16.15). All that is kept counts on top of the
-    head's peak; the resident layers' forward is bounded by their backward's count, and the
-    forward's own peak counts only what the checkpointed layers keep: the plan keeps more
-    than with the two measured together, and its prediction is the highest of those terms."""
+    transients (17.15 GiB), above the head (16.15). The predicted allocations count all that
+    is kept on top of the head's peak, the resident layers' forward as their backward, and
+    on top of the forward's peak only what the checkpointed layers keep: the highest of
+    those terms, below the count on top of the forward's peak. The reserved peak, which the
+    plan holds to the budget, still counts all kept on top of the forward's: the same plan."""
     together = dataclasses.replace(liger_8b(), peak_bytes=int(18.62 * GIB),
                                    layer_phase_peak_bytes=int(18.62 * GIB),
                                    head_phase_peak_bytes=int(17.15 * GIB))
@@ -134,12 +135,11 @@ def test_the_forward_and_the_head_measured_apart(budget_gib):
     assert plan.predicted_allocated_bytes == pytest.approx(
         max(16.15 * GIB + kept, 18.62 * GIB + kept - layer,
             17.15 * GIB + plan.kept_output_bytes), abs=64)
-    assert plan.predicted_allocated_bytes < 17.15 * GIB + kept
     before = plan_layers(together, TOKENS, budget)
-    assert plan.predicted_seconds_saved >= before.predicted_seconds_saved
-    assert plan.count(RESIDENT) >= before.count(RESIDENT)
-    if budget_gib == 74.5:
-        assert plan.count(RESIDENT) > before.count(RESIDENT)
+    assert plan.modes == before.modes and plan.kept_outputs == before.kept_outputs
+    assert plan.predicted_peak_bytes == before.predicted_peak_bytes
+    assert plan.predicted_allocated_bytes < before.predicted_allocated_bytes - GIB / 4
+    assert before.predicted_allocated_bytes == pytest.approx(17.15 * GIB + kept, abs=64)
 
 
 @pytest.mark.parametrize("forward_gib", [0, 17.2])

@@ -47,7 +47,10 @@ backward (H100, 8B, Liger: the head rose 0.5 GiB at s8k, a layer's recompute and
 2.8 GiB), where counting every resident layer put the prediction 3.6 GiB above the plan's
 allocations (19 resident layers, s8k), and the forward's peak (a checkpointed layer's
 transients, 1.5 GiB above its start) is above the head's: counting all that is kept on top
-of it put the prediction 1.0 GiB above.
+of it put the prediction 1.0 GiB above. The predicted reserved peak, which the plan holds to
+the budget, still counts all that is kept on top of the forward's peak (with the margins
+below): with eager attention (1B shape, H100) the resident layers' forward reserved 1.3 GiB
+above a prediction without that term.
 
 Reserved memory is more: what a layer keeps lies in segments cut for its forward's
 transients, and the free pieces beside it cannot hold the head's large blocks (a language
@@ -473,6 +476,7 @@ class _Phases:
     measured: its peak is the step's then, 0 where it was)."""
 
     step: float
+    head_phase: float
     head: float
     forward: float
     layers: float
@@ -484,9 +488,10 @@ class _Phases:
         step = checkpointed_allocated_peak(measured, tokens)
         stranded = checkpointed_peak(measured, tokens) - step
         apart = measured.forward_peak_bytes > 0 and measured.head_peak_bytes > 0
-        return cls(step=step,
+        head_phase = head_phase_peak(measured, tokens)
+        return cls(step=step, head_phase=head_phase,
                    head=(_grown_phase(measured, measured.head_peak_bytes, tokens) if apart
-                         else head_phase_peak(measured, tokens)),
+                         else head_phase),
                    forward=(_grown_phase(measured, measured.forward_peak_bytes, tokens)
                             if apart else 0.0),
                    layers=layer_phase_peak(measured, tokens), stranded=stranded,
@@ -510,10 +515,11 @@ class _Phases:
                  lowest_resident: float, transit: float,
                  transit_beside_resident: bool = False) -> float:
         """allocated() with the allocator's margins: the stranded pieces beside the head,
-        and fragmentation_bytes() of what each phase keeps."""
+        and fragmentation_bytes() of what each phase keeps; all that is kept counted on top
+        of the forward's peak too (see "Memory")."""
         below = kept - resident + transit
         return max(self.step + self.stranded,
-                   self.head + kept + self.stranded
+                   self.head_phase + kept + self.stranded
                    + fragmentation_bytes(measured, tokens, kept),
                    self.forward + below + fragmentation_bytes(measured, tokens, below)
                    if self.forward else 0.0,

@@ -62,7 +62,8 @@ Also (python -m ckpt_offload.plan only):
                             is live (a fused loss's step peaks in the layers' backward)
   --forward_peak_gib=N      the same step's peak in its forward alone (same line); with
                             it, --head_peak_gib is its head's alone (both are required):
-                            a resident layer's forward is counted as its backward is
+                            the predicted allocations count a resident layer's forward
+                            as its backward
   --head_rise_gib=N         what that step's head allocated above its start (same line;
                             default: unknown): bounds the allocator's margin
   --layer_gib=N             one layer's saved tensors (default: estimated from the shape)
