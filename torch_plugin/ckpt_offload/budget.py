@@ -90,8 +90,8 @@ beside a checkpointed layer's backward (the prefetched layers' and the one being
 recomputed; in forward, the copies in flight), counted above the measured peak of the
 layers' backward (not the head's), the largest layer's outputs each. The last layers
 offload none: their groups stay on the device (keep_last), or are still in flight, while
-the head runs. When the layers in
-transit do not fit the budget, every window shrinks by half until they fit or none is left.
+the head runs. When the layers in transit do not fit the budget, every window shrinks by
+half until they fit or none is left.
 Host memory bounds them too: every layer's input and offloaded outputs are in the host pool
 at the end of the forward, beside what the head offloads, and a block the pool refuses
 (host_memory_limit) stays on the device, where the plan did not count it. So what the
@@ -507,7 +507,7 @@ class _Phases:
         storages)."""
         below = kept - resident + transit
         return max(self.step, self.head + kept, self.forward + below if self.forward else 0.0,
-                   *(self.layers + kept for kept in
+                   *(self.layers + beside for beside in
                      self._beside_layers(kept, resident, lowest_resident, transit,
                                          transit_beside_resident)))
 
@@ -523,7 +523,7 @@ class _Phases:
                    + fragmentation_bytes(measured, tokens, kept),
                    self.forward + below + fragmentation_bytes(measured, tokens, below)
                    if self.forward else 0.0,
-                   *(self.layers_reserved(measured, tokens, kept) for kept in
+                   *(self.layers_reserved(measured, tokens, beside) for beside in
                      self._beside_layers(kept, resident, lowest_resident, transit,
                                          transit_beside_resident)))
 
