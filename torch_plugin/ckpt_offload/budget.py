@@ -505,11 +505,10 @@ class _Phases:
         bytes of offloaded outputs beside the checkpointed layers' forward and backward
         (beside the resident layers' too where `transit_beside_resident`: they offload
         storages)."""
-        below = kept - resident + transit
-        return max(self.step, self.head + kept, self.forward + below if self.forward else 0.0,
-                   *(self.layers + beside for beside in
-                     self._beside_layers(kept, resident, lowest_resident, transit,
-                                         transit_beside_resident)))
+        beside = self._beside_layers(kept, resident, lowest_resident, transit,
+                                     transit_beside_resident)
+        return max(self.step, self.head + kept, self.forward + beside[0] if self.forward else 0.0,
+                   *(self.layers + live for live in beside))
 
     def reserved(self, measured: StepMeasurement, tokens: int, kept: float, resident: float,
                  lowest_resident: float, transit: float,
@@ -517,23 +516,22 @@ class _Phases:
         """allocated() with the allocator's margins: the stranded pieces beside the head,
         and fragmentation_bytes() of what each phase keeps; all that is kept counted on top
         of the forward's peak too (see "Memory")."""
-        below = kept - resident + transit
+        beside = self._beside_layers(kept, resident, lowest_resident, transit,
+                                     transit_beside_resident)
         return max(self.step + self.stranded,
                    self.head_phase + kept + self.stranded
                    + fragmentation_bytes(measured, tokens, kept),
-                   self.forward + below + fragmentation_bytes(measured, tokens, below)
+                   self.forward + beside[0] + fragmentation_bytes(measured, tokens, beside[0])
                    if self.forward else 0.0,
-                   *(self.layers_reserved(measured, tokens, beside) for beside in
-                     self._beside_layers(kept, resident, lowest_resident, transit,
-                                         transit_beside_resident)))
+                   *(self.layers_reserved(measured, tokens, live) for live in beside))
 
     @staticmethod
     def _beside_layers(kept: float, resident: float, lowest_resident: float, transit: float,
                        transit_beside_resident: bool) -> Tuple[float, ...]:
-        """What is live beside the layers' backward's measured peak (see "Memory"): beside
-        the resident layers' (and their forward), all that is kept but the resident layer
-        keeping least; beside the checkpointed layers' (below every resident one), what they
-        keep and the transit."""
+        """What is live beside the layers' backward's measured peak (see "Memory"): first,
+        beside the checkpointed layers' (below every resident one; their forward's too),
+        what they keep and the transit; then, where layers are resident, beside theirs (and
+        their forward), all that is kept but the resident layer keeping least."""
         below = (kept - resident + transit,)
         if resident <= 0:
             return below

@@ -227,7 +227,6 @@ class StepProfile:
         self.head_loss = 0
         self.layer_recompute = 0
         self.layer_phase_peak = 0
-        self.head_phase_peak = 0
         self.forward_peak = 0
         self.head_peak = 0
         self.hidden_states_kept = 0
@@ -245,8 +244,6 @@ class StepProfile:
         peak = self.meter.peak()
         self.step_peak = max(self.step_peak, peak)
         rise = peak - self.stretch_start
-        if self.phase == "forward" or self.stretch == "head":
-            self.head_phase_peak = max(self.head_phase_peak, peak)
         if self.phase == "forward":
             self.forward_peak = max(self.forward_peak, peak)
         elif self.stretch == "head":
@@ -425,7 +422,8 @@ class PeakTracker:
             offload_removed_bytes=removed, keep_last=self.handle.config.keep_last)
         self.result.update(micro_step=profile.micro_step, meter=profile.meter.name,
                            layer_phase_peak_bytes=max(0, int(profile.layer_phase_peak)),
-                           head_phase_peak_bytes=max(0, int(profile.head_phase_peak)),
+                           head_phase_peak_bytes=max(0, int(max(profile.forward_peak,
+                                                                profile.head_peak))),
                            forward_peak_bytes=max(0, int(profile.forward_peak)),
                            head_peak_bytes=max(0, int(profile.head_peak)),
                            head_stranded_bytes=int(profile.head_stranded))
