@@ -148,7 +148,9 @@ def test_a_plan_at_a_cap_fits_and_is_bit_identical(loss, llama_module_restored):
     # Allocations: within 0.5 GiB of the prediction (the planner's target).
     allocated = max(p["allocated_peak_bytes"] for p in plans[2:])
     predicted = plans[-1]["budget_predicted_allocated_bytes"]
-    print(f"{loss}: allocated peak {allocated / GIB:.2f} GiB, predicted {predicted / GIB:.2f}")
+    print(f"{loss}: allocated peaks "
+          f"{[round(p['allocated_peak_bytes'] / GIB, 2) for p in plans]} GiB, predicted "
+          f"{predicted / GIB:.2f}")
     assert abs(allocated - predicted) <= GIB / 2
     if not repeats:  # the loss's own kernels set what "the same" can mean
         assert largest_difference(expected_grads, grads) <= 2 * spread
