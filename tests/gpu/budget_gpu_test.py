@@ -62,8 +62,9 @@ def run(model, handle=None, empty_cache=False):
         loss.backward()
         torch.cuda.synchronize()
         reserved.append(torch.cuda.max_memory_reserved())
-        losses.append(loss.detach().clone())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+        # Kept on the host: copies held on the device would raise every later step's peak.
+        losses.append(loss.detach().cpu())
+        grads.append({n: p.grad.cpu() for n, p in model.named_parameters()
                       if p.grad is not None})
         model.zero_grad(set_to_none=True)
         if handle is not None:
