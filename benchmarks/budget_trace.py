@@ -1,6 +1,7 @@
 """Where a planned step's memory goes, layer by layer, against the plan's prediction.
 
     python benchmarks/budget_trace.py --configs llama3-8b:8192:80 --loss liger --out DIR
+    python benchmarks/budget_trace.py --configs llama3-1b:4096:30 --attention eager --out DIR
 
 For each config (shape:seq:cap, as budget_bench.py's) two LoRA models over one base: today's
 ckpt_offload (every layer checkpointed) and memory_budget="auto". After their warm-up (the
@@ -125,7 +126,8 @@ def run_config(base, shape: str, seq: int, cap: str, loss: str) -> Dict:
 
     def recorded(self, kept, resident, lowest_resident, transit, *rest):
         result = original(self, kept, resident, lowest_resident, transit, *rest)
-        calls.append(dict(step_gib=self.step / GIB, head_gib=self.head / GIB,
+        calls.append(dict(step_gib=self.step / GIB, head_phase_gib=self.head_phase / GIB,
+                          head_gib=self.head / GIB,
                           forward_gib=self.forward / GIB,
                           layers_gib=self.layers / GIB, stranded_gib=self.stranded / GIB,
                           layers_stranded_gib=self.layers_stranded / GIB, kept_gib=kept / GIB,
@@ -198,17 +200,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", required=True)
     parser.add_argument("--loss", default="hf")
+    parser.add_argument("--attention", default="sdpa",
+                        help="the models' attn_implementation (eager: a layer's forward "
+                             "holds its attention probabilities in float32)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
-    report = dict(meta=meta(), runs=[])
+    report = dict(meta=meta(), attention=args.attention, runs=[])
     base, base_shape = None, None
     for item in args.configs.split(","):
         shape, seq, cap = item.split(":")
         if shape != base_shape:
             base = None
             gc.collect()
-            base, base_shape = base_model(shape), shape
+            base, base_shape = base_model(shape, args.attention), shape
         result = run_config(base, shape, int(seq), cap, args.loss)
         report["runs"].append(result)
         print(summary(result), flush=True)
