@@ -505,25 +505,34 @@ class _Phases:
         bytes of offloaded outputs beside the checkpointed layers' forward and backward
         (beside the resident layers' too where `transit_beside_resident`: they offload
         storages)."""
-        beside = self._beside_layers(kept, resident, lowest_resident, transit,
-                                     transit_beside_resident)
-        return max(self.step, self.head + kept, self.forward + beside[0] if self.forward else 0.0,
-                   *(self.layers + live for live in beside))
+        return max(allocated + live for allocated, _, live in self._terms(
+            kept, resident, lowest_resident, transit, transit_beside_resident))
 
     def reserved(self, measured: StepMeasurement, tokens: int, kept: float, resident: float,
                  lowest_resident: float, transit: float,
                  transit_beside_resident: bool = False) -> float:
-        """allocated() with the allocator's margins: the stranded pieces beside the head,
-        and fragmentation_bytes() of what each phase keeps; all that is kept counted on top
-        of the forward's peak too (see "Memory")."""
+        """allocated() with the allocator's margins: the stranded pieces, and
+        fragmentation_bytes() of what is live beside each phase; all that is kept counted on
+        top of the forward's peak too (see "Memory")."""
+        return max(reserved + live + fragmentation_bytes(measured, tokens, live)
+                   for _, reserved, live in self._terms(
+                       kept, resident, lowest_resident, transit, transit_beside_resident))
+
+    def _terms(self, kept: float, resident: float, lowest_resident: float, transit: float,
+               transit_beside_resident: bool) -> List[Tuple[float, float, float]]:
+        """The step's candidate peaks, each (its allocated base, its reserved base, the bytes
+        live beside it), for allocated() and reserved() (see "Memory"): the checkpointed
+        step's own; the head's with all that is kept (reserved: on top of the forward and
+        head's common peak); the forward's beside what the checkpointed layers keep; the
+        layers' backward's beside each of _beside_layers()."""
         beside = self._beside_layers(kept, resident, lowest_resident, transit,
                                      transit_beside_resident)
-        return max(self.step + self.stranded,
-                   self.head_phase + kept + self.stranded
-                   + fragmentation_bytes(measured, tokens, kept),
-                   self.forward + beside[0] + fragmentation_bytes(measured, tokens, beside[0])
-                   if self.forward else 0.0,
-                   *(self.layers_reserved(measured, tokens, live) for live in beside))
+        terms = [(self.step, self.step + self.stranded, 0.0),
+                 (self.head, self.head_phase + self.stranded, kept)]
+        if self.forward:
+            terms.append((self.forward, self.forward, beside[0]))
+        terms.extend((self.layers, self.layers + self.layers_stranded, live) for live in beside)
+        return terms
 
     @staticmethod
     def _beside_layers(kept: float, resident: float, lowest_resident: float, transit: float,
