@@ -515,9 +515,8 @@ class _Phases:
         """allocated() with the allocator's margins: the stranded pieces, and
         fragmentation_bytes() of what is live beside each phase; all that is kept counted on
         top of the forward's peak too (see "Memory")."""
-        return max(reserved + live + fragmentation_bytes(measured, tokens, live)
-                   for _, reserved, live in self._terms(
-                       kept, resident, lowest_resident, transit, transit_beside_resident))
+        return max(_reserved_peak(measured, tokens, term) for term in self._terms(
+            kept, resident, lowest_resident, transit, transit_beside_resident))
 
     def _terms(self, kept: float, resident: float, lowest_resident: float, transit: float,
                transit_beside_resident: bool) -> List[Tuple[float, float, float]]:
@@ -532,8 +531,11 @@ class _Phases:
                  (self.head, self.head_phase + self.stranded, kept)]
         if self.forward:
             terms.append((self.forward, self.forward, beside[0]))
-        terms.extend((self.layers, self.layers + self.layers_stranded, live) for live in beside)
+        terms.extend(self._layers_term(live) for live in beside)
         return terms
+
+    def _layers_term(self, live: float) -> Tuple[float, float, float]:
+        return (self.layers, self.layers + self.layers_stranded, live)
 
     @staticmethod
     def _beside_layers(kept: float, resident: float, lowest_resident: float, transit: float,
@@ -549,8 +551,15 @@ class _Phases:
 
     def layers_reserved(self, measured: StepMeasurement, tokens: int, kept: float) -> float:
         """The layers' backward's reserved peak with `kept` bytes beside it."""
-        return (self.layers + self.layers_stranded + kept
-                + fragmentation_bytes(measured, tokens, kept))
+        return _reserved_peak(measured, tokens, self._layers_term(kept))
+
+
+def _reserved_peak(measured: StepMeasurement, tokens: int,
+                   term: Tuple[float, float, float]) -> float:
+    """A _Phases term's reserved peak: its reserved base, the bytes live beside it and their
+    fragmentation_bytes()."""
+    _, reserved, live = term
+    return reserved + live + fragmentation_bytes(measured, tokens, live)
 
 
 @dataclasses.dataclass(frozen=True)
