@@ -77,8 +77,7 @@ Also (python -m ckpt_offload.plan only):
 # The flags python -m ckpt_offload.plan reads for a memory budget (the others go to the planner).
 BUDGET_FLAGS = ("memory_budget", "device_gib", "step_peak_gib", "stranded_gib",
                 "head_peak_gib", "layer_phase_peak_gib", "forward_peak_gib", "head_rise_gib",
-                "layer_gib",
-                "layer_ms", "step_ms", "kept_gib", "kept_ms")
+                "layer_gib", "layer_ms", "step_ms", "kept_gib", "kept_ms")
 
 # A decoder layer's saved bytes per token in bf16 (twice that in fp32): 44 x hidden + 8 x ffn.
 # Calibrated on the Llama-3.1-8B shape measured by memory_budget on the H200 (LoRA r=16,
