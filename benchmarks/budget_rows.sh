@@ -66,7 +66,7 @@ case $part in
       --empty-cache
     bench s16k 240 --configs llama3-8b:16384:80 --modes ckpt,budget,budget_keep --rounds 2 \
       --empty-cache
-    gpu_tests 100 gpu/budget_gpu_test.py ;;
+    gpu_tests 130 gpu/budget_gpu_test.py ;;
   var)
     bench var 560 --var llama3-8b:4096:32768:100:80 ;;
   held)
