@@ -207,6 +207,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     report = dict(meta=meta(), attention=args.attention, runs=[])
+    print(f"attn_implementation {args.attention}", flush=True)
     base, base_shape = None, None
     for item in args.configs.split(","):
         shape, seq, cap = item.split(":")
