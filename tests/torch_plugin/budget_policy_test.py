@@ -12,8 +12,9 @@ from ckpt_offload import OffloadConfig
 from ckpt_offload import budget as budget_module
 from ckpt_offload.budget import (CHECKPOINT, COPY_WINDOW_SHARE, RESIDENT, FRAGMENTATION_MARGIN,
                                  SELECTIVE, KeptOutput, LayerCost, OutputOffload, StepMeasurement,
-                                 checkpointed_allocated_peak, checkpointed_peak, layer_steps,
-                                 offloaded_candidates, plan_layers, uniform_measurement)
+                                 checkpointed_allocated_peak, checkpointed_peak,
+                                 fragmentation_bytes, layer_steps, offloaded_candidates,
+                                 plan_layers, uniform_measurement)
 from ckpt_offload.config import AUTO_BUDGET_MARGIN, parse_memory_budget
 
 GIB = 1 << 30
@@ -113,6 +114,34 @@ def test_a_fused_loss_counts_kept_bytes_where_the_step_peaks(budget_gib):
     assert plan.predicted_peak_bytes <= budget
     if resident < 32:  # one more layer would not have fitted
         assert plan.predicted_peak_bytes + layer > budget
+
+
+@pytest.mark.parametrize("block_gib", [0.22, 2.0, 8.0])
+def test_a_layers_blocks_larger_than_the_heads_widen_the_margin(block_gib):
+    """With a fused loss the head asks for small blocks, but a layer's recompute may ask for
+    larger ones (eager attention's float32 probabilities): the margin then reaches one such
+    block, never more than its share of what is kept, and grows with tokens as the head's
+    rise does; sdpa's largest (0.22 GiB at 8B s8k) leaves it at twice the head's rise."""
+    measured = liger_8b()
+    layers = tuple(dataclasses.replace(cost, outputs=(
+        KeptOutput(("aten._softmax.default", 0), block_gib * GIB / TOKENS, 1e-3 / TOKENS),))
+        for cost in measured.layers)
+    wide = dataclasses.replace(measured, layers=layers)
+    head_blocks = 2 * measured.head_rise_bytes
+    for kept_gib in (1, 10, 40):
+        kept = kept_gib * GIB
+        for scale in (0.5, 1, 2):
+            expected = min(FRAGMENTATION_MARGIN * kept,
+                           max(head_blocks, block_gib * GIB) * max(1, scale))
+            assert fragmentation_bytes(wide, int(scale * TOKENS), kept) == pytest.approx(
+                expected, abs=64)
+    budget = int(50 * GIB)
+    narrow_plan, plan = plan_layers(measured, TOKENS, budget), plan_layers(wide, TOKENS, budget)
+    assert plan.predicted_peak_bytes <= budget
+    if block_gib * GIB <= head_blocks:
+        assert plan.predicted_peak_bytes == narrow_plan.predicted_peak_bytes
+    else:  # the same layers kept would need one block more than twice the head's rise
+        assert plan.count(RESIDENT) < narrow_plan.count(RESIDENT)
 
 
 @pytest.mark.parametrize("budget_gib", [30, 50, 74.5])

@@ -71,7 +71,11 @@ kept tensors, too short for that step's own. A fused loss asks for small blocks 
 logits), and its plans reserved little above their allocations (H100, 8B, Liger: 0.6 GiB
 at s8k keeping 45.6 GiB, 2.0 GiB at s16k keeping 42.6 GiB, of which 0.98 GiB were the
 measured step's own pieces and the rest about its head's 1.0 GiB rise). So the margin is at
-most HEAD_BLOCKS_STRANDED times the measured head's rise.
+most HEAD_BLOCKS_STRANDED times the measured head's rise, unless a layer's recompute asks for
+larger blocks: eager attention's float32 probabilities (2 GiB a layer, 1B shape, s4k) left
+1.92 GiB of free pieces beside a Liger plan's kept tensors, and that plan, held to its
+predicted reserved peak, ran out of memory asking for one (H200). The margin may reach
+LAYER_BLOCKS_STRANDED times the largest such block.
 
 Order. The resident layers are the last ones: backward frees them first, so every
 checkpointed layer's recompute runs without them, and they leave the allocator's segments
@@ -168,6 +172,12 @@ FRAGMENTATION_MARGIN = 0.15
 # (its blocks are what strands, see "Memory"; twice: the one measured fused-loss plan that
 # stranded more than the measured step's own pieces stranded about the head's rise once).
 HEAD_BLOCKS_STRANDED = 2.0
+# Nor below this many times the largest block a layer's recompute asks for (an op output or
+# a saved storage; see "Memory"). H200, 1B shape, eager attention, Liger, s4k: its plan,
+# held to its predicted reserved peak with the margin at twice the fused loss's small head
+# rise, ran out of memory asking for a layer's 2 GiB float32 attention probabilities, 1.92
+# GiB of free pieces beside what it kept.
+LAYER_BLOCKS_STRANDED = 1.0
 
 # Device-to-host copy rate of pinned host memory where none was measured (the H200's and
 # the H100's, 55 GB/s either way; on CUDA the budget measures its device's,
@@ -460,12 +470,23 @@ def _grown_phase(measured: StepMeasurement, phase_peak: int, tokens: int) -> int
 def fragmentation_bytes(measured: StepMeasurement, tokens: int, kept_bytes: float) -> float:
     """What the allocator may reserve beside `kept_bytes` kept on the device through a step
     of `tokens` (see "Memory"): FRAGMENTATION_MARGIN of them, at most HEAD_BLOCKS_STRANDED
-    times what the measured head asked for (never scaled down for a shorter step)."""
+    times what the measured head asked for or LAYER_BLOCKS_STRANDED times the largest block
+    of a layer's recompute, whichever is more (never scaled down for a shorter step)."""
     margin = FRAGMENTATION_MARGIN * max(0.0, kept_bytes)
     if measured.head_rise_bytes:
-        head = measured.head_rise_bytes * max(1.0, tokens / measured.tokens)
-        margin = min(margin, HEAD_BLOCKS_STRANDED * head)
+        blocks = max(HEAD_BLOCKS_STRANDED * measured.head_rise_bytes,
+                     LAYER_BLOCKS_STRANDED * largest_layer_block_per_token(measured)
+                     * measured.tokens)
+        margin = min(margin, blocks * max(1.0, tokens / measured.tokens))
     return margin
+
+
+def largest_layer_block_per_token(measured: StepMeasurement) -> float:
+    """The largest op output or saved storage of any layer's recompute, per token (0: none
+    measured)."""
+    return max((size for cost in measured.layers
+                for size in (*(o.bytes_per_token for o in cost.outputs), *cost.storages)),
+               default=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
