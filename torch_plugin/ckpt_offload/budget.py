@@ -151,6 +151,7 @@ last layers that fits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Dict, FrozenSet, List, Optional, Tuple
 
@@ -289,6 +290,14 @@ class StepMeasurement:
                self.host_peak_bytes, self.stranded_bytes, self.head_phase_peak_bytes,
                self.head_rise_bytes, self.forward_peak_bytes, self.head_peak_bytes) < 0:
             raise ValueError("StepMeasurement: peak figures must be >= 0")
+
+    @functools.cached_property
+    def largest_layer_block_per_token(self) -> float:
+        """The largest op output or saved storage of any layer's recompute, per token (0:
+        none measured); every margin a plan weighs reads it."""
+        return max((size for cost in self.layers
+                    for size in (*(o.bytes_per_token for o in cost.outputs), *cost.storages)),
+                   default=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -475,18 +484,10 @@ def fragmentation_bytes(measured: StepMeasurement, tokens: int, kept_bytes: floa
     margin = FRAGMENTATION_MARGIN * max(0.0, kept_bytes)
     if measured.head_rise_bytes:
         blocks = max(HEAD_BLOCKS_STRANDED * measured.head_rise_bytes,
-                     LAYER_BLOCKS_STRANDED * largest_layer_block_per_token(measured)
+                     LAYER_BLOCKS_STRANDED * measured.largest_layer_block_per_token
                      * measured.tokens)
         margin = min(margin, blocks * max(1.0, tokens / measured.tokens))
     return margin
-
-
-def largest_layer_block_per_token(measured: StepMeasurement) -> float:
-    """The largest op output or saved storage of any layer's recompute, per token (0: none
-    measured)."""
-    return max((size for cost in measured.layers
-                for size in (*(o.bytes_per_token for o in cost.outputs), *cost.storages)),
-               default=0.0)
 
 
 @dataclasses.dataclass(frozen=True)
