@@ -282,7 +282,11 @@ class OffloadHandle:
     def _turn_on_checkpointing(self) -> None:
         pretrained = next((m for m in self.model.modules() if isinstance(m, PreTrainedModel)
                            and m.supports_gradient_checkpointing), None)
-        if pretrained is not None:
+        if pretrained is not None and hasattr(pretrained, "activation_checkpointing_enable"):
+            # transformers 5.23 renamed gradient_checkpointing_enable; the old name warns.
+            pretrained.activation_checkpointing_enable(
+                activation_checkpointing_kwargs={"use_reentrant": False})
+        elif pretrained is not None:
             pretrained.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False})
         else:
