@@ -25,7 +25,7 @@ ALLOW_UNTESTED_TORCH_ENV = "CKPT_OFFLOAD_ALLOW_UNTESTED_TORCH"
 # pip extras: the Hugging Face integration and the Axolotl plugin, each bounded by the
 # releases the tests ran (lowest tested, below the next untested minor).
 EXTRAS = {
-    "hf": ("transformers>=5.17,<5.24", "peft>=0.21,<0.22", "accelerate>=1.15,<1.16"),
+    "hf": ("transformers>=5.17,<5.26", "peft>=0.21,<0.23", "accelerate>=1.15,<1.17"),
     "axolotl": ("axolotl>=0.21,<0.22",),
 }
 
