@@ -124,10 +124,14 @@ def step(mode: Mode, ids, history: Optional[str] = None) -> None:
         mode.host_peaks.append(int(stats.get("host_peak_bytes", 0)))
 
 
+# The allocator's calls into the driver (cudaMalloc, cudaFree) and its free-cache-and-retry
+# rounds, as torch.cuda.memory_stats() counts them.
+ALLOCATOR_DRIVER_KEYS = ("num_device_alloc", "num_device_free", "num_alloc_retries")
+
+
 def allocator_driver_calls() -> int:
     stats = torch.cuda.memory_stats()
-    return sum(int(stats.get(key, 0))
-               for key in ("num_device_alloc", "num_device_free", "num_alloc_retries"))
+    return sum(int(stats.get(key, 0)) for key in ALLOCATOR_DRIVER_KEYS)
 
 
 def recover(mode: Mode, error: BaseException) -> str:
