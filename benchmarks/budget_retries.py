@@ -1,7 +1,7 @@
 """budget_bench.py with each step's allocator figures printed: its time (timed steps),
-reserved and allocated peak, and how many times during it the allocator called cudaMalloc
-or cudaFree, or gave its cache back and retried (num_alloc_retries). Same arguments as
-budget_bench.py."""
+what was allocated as it began, its reserved and allocated peak, and how many times during
+it the allocator called cudaMalloc or cudaFree, or gave its cache back and retried
+(num_alloc_retries). Same arguments as budget_bench.py."""
 
 import sys
 
@@ -15,12 +15,14 @@ _one_step = budget_bench.one_step
 
 def one_step_with_allocator_figures(mode, ids, record):
     before = torch.cuda.memory_stats()
+    # What the step starts from: anything a mode keeps between steps narrows the next one.
+    allocated_before = torch.cuda.memory_allocated() / 2**30
     _one_step(mode, ids, record)  # resets the peaks as it begins
     after = torch.cuda.memory_stats()
     delta = {key: int(after.get(key, 0)) - int(before.get(key, 0))
              for key in ALLOCATOR_DRIVER_KEYS}
     time = f"{mode.times[-1]:.1f} ms" if record else "warm-up"
-    print(f"step {mode.name}: {time}, reserved peak "
+    print(f"step {mode.name}: {time}, allocated before {allocated_before:.2f} GiB, reserved peak "
           f"{torch.cuda.max_memory_reserved() / 2**30:.2f} GiB, allocated peak "
           f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, {delta}", flush=True)
 
