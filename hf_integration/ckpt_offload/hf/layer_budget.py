@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import time
 from typing import Any, Callable, Dict, FrozenSet, List, Optional
@@ -212,7 +213,10 @@ _UNDEFINED_CONTENT_OPS = frozenset({
 })
 
 
+@functools.cache
 def _op_name(func) -> str:
+    # Cached: the dispatch modes name every op a planned layer runs (str() of an overload
+    # builds the string each time; ops are few and live as long as the process).
     return str(func)
 
 
@@ -325,8 +329,7 @@ class _OutputMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if (self.failed or func in SAC_IGNORED_OPS
-                or isinstance(func, torch._ops.HigherOrderOperator)):
+        if self.failed or _candidate_name(func) is None:
             # A higher-order op has no schema to say what its outputs alias: it runs (the
             # meter is off while it does), and its outputs are no candidates.
             return func(*args, **kwargs)
@@ -542,12 +545,20 @@ def _counted_key(counts: Dict[str, int], func) -> Optional[OpKey]:
     """The op's key (its name and ordinal among that op's calls, counted in `counts`), or
     None for the ops that are never candidates and not counted: SAC's ignored ops and
     higher-order ops."""
-    if func in SAC_IGNORED_OPS or isinstance(func, torch._ops.HigherOrderOperator):
+    name = _candidate_name(func)
+    if name is None:
         return None
-    name = _op_name(func)
     key = (name, counts[name])
     counts[name] += 1
     return key
+
+
+@functools.cache
+def _candidate_name(func) -> Optional[str]:
+    """_op_name(func), or None for SAC's ignored ops and higher-order ops."""
+    if func in SAC_IGNORED_OPS or isinstance(func, torch._ops.HigherOrderOperator):
+        return None
+    return _op_name(func)
 
 
 def _map_tensors(function: Callable, value, handles: bool = False):
