@@ -1,7 +1,9 @@
 #!/bin/bash
 # The memory-budget rows of benchmarks/results, on the device machine, in parts that each fit
 # one device call: bash benchmarks/budget_rows.sh PART (OUT: where logs go; CKPT_OFFLOAD_COMMIT:
-# the tree's commit, the device copy has no usable git metadata).
+# the tree's commit, the device copy has no usable git metadata). Every row runs through
+# budget_retries.py: budget_bench.py with each step's allocator retries, CPU time and host
+# load in its log, so that a slow row says whether the allocator or the host made it slow.
 #   caps   today's memory (--budget 29GiB: ckpt_offload alone allocates 27.4 GiB at its peak
 #          and runs out of memory with the allocator held to 28), 40 and 80 GiB caps, s8k
 #   full   the whole card and 80 GiB at s16k; the GPU budget tests
@@ -38,9 +40,9 @@ if ! python3 -c "import ckpt_offload._native" 2>/dev/null; then
     python3 -m pip install --no-build-isolation --no-deps -q . > "$OUT/pip_$part.log" 2>&1
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv > "$OUT/gpu.txt"
-bench_py=$PWD/benchmarks/budget_bench.py
+bench_py=$PWD/benchmarks/budget_retries.py
 tests=$PWD/tests
-# bench NAME SECONDS ARGS...: budget_bench.py ARGS, its report in $OUT/NAME and its output in
+# bench NAME SECONDS ARGS...: budget_retries.py ARGS, its report in $OUT/NAME and its output in
 # $OUT/NAME.log, stopped after SECONDS.
 bench() {
   local name=$1 seconds=$2
