@@ -37,6 +37,24 @@ def test_the_measured_h200_plans():
     assert plan_layers(measured, TOKENS, int(0.95 * 40 * GIB)).count(RESIDENT) == 4
 
 
+def test_a_plans_step_time_is_the_checkpointed_steps_per_token_less_what_it_saves():
+    measured = dataclasses.replace(llama_8b(), step_seconds=1.3515)
+    for tokens in (4096, TOKENS):
+        plan = plan_layers(measured, tokens, int(0.95 * 80 * GIB))
+        checkpointed = 1.3515 * tokens / TOKENS
+        assert plan.checkpointed_step_seconds == pytest.approx(checkpointed)
+        assert plan.predicted_seconds_saved > 0
+        assert plan.predicted_step_seconds == pytest.approx(
+            checkpointed - plan.predicted_seconds_saved)
+    at_80 = plan_layers(measured, TOKENS, int(0.95 * 80 * GIB))
+    assert at_80.predicted_step_seconds == pytest.approx(1.3515 - 18 * 12.1e-3)
+    # Over the budget nothing is saved: the checkpointed step's time.
+    over = plan_layers(measured, TOKENS, GIB)
+    assert over.predicted_step_seconds == pytest.approx(1.3515)
+    # Without the measured step's time, none is predicted.
+    assert plan_layers(llama_8b(), TOKENS, int(0.95 * 80 * GIB)).predicted_step_seconds == 0
+
+
 @pytest.mark.parametrize("budget_gib, tokens, reserve_gib", list(itertools.product(
     [1, 20, 27.5, 30, 45.3, 76, 200], [1024, 8192, 16384, 32768], [0, 4])))
 def test_plans_stay_within_the_budget_and_resident_layers_are_the_last(
@@ -250,6 +268,10 @@ def test_bad_figures_are_refused():
     with pytest.raises(ValueError, match="peak figures"):
         StepMeasurement(tokens=1, layers=(), peak_bytes=0, activation_peak_bytes=0,
                         stranded_bytes=-1)
+    for seconds in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="step_seconds"):
+            StepMeasurement(tokens=1, layers=(), peak_bytes=0, activation_peak_bytes=0,
+                            step_seconds=seconds)
     with pytest.raises(ValueError, match="budget_bytes"):
         plan_layers(llama_8b(), TOKENS, 0)
     with pytest.raises(ValueError, match="reserve_bytes"):

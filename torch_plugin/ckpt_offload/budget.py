@@ -145,7 +145,10 @@ to the end, and only the last layers may: a layer goes resident only after every
 after it did. A layer whose measured recompute saved nothing (a time of 0: never
 recomputed) is not worth its bytes: it stays checkpointed, and no layer before it goes
 resident. Without kept-output candidates (none measured) the plan is the longest run of
-last layers that fits.
+last layers that fits. A plan's predicted step time is the measured step's, per token
+applied to its tokens, less the recompute it saves; it counts device time only (a selective
+or offloading layer's host work per op, 13-20 us more on a LoRA layer, is hidden where the
+device's ops take longer, as they do at 8B s8k).
 """
 
 from __future__ import annotations
@@ -251,7 +254,8 @@ class StepMeasurement:
     tokens: its tokens (batch x sequence length); layers: its checkpointed layers in forward
     order; peak_bytes: the device memory allocated at its peak (weights, gradients and
     optimizer state included); activation_peak_bytes: that peak above what was allocated
-    when it began (what grows with tokens); step_seconds: its time;
+    when it began (what grows with tokens); step_seconds: its time, from its forward's start
+    to its backward's end (where known, without what measuring it cost; 0: unknown);
     largest_block_bytes_per_token: see below."""
 
     tokens: int
@@ -290,6 +294,9 @@ class StepMeasurement:
                self.host_peak_bytes, self.stranded_bytes, self.head_phase_peak_bytes,
                self.head_rise_bytes, self.forward_peak_bytes, self.head_peak_bytes) < 0:
             raise ValueError("StepMeasurement: peak figures must be >= 0")
+        if not self.step_seconds >= 0:  # NaN included
+            raise ValueError(f"StepMeasurement.step_seconds: must be >= 0, got "
+                             f"{self.step_seconds}")
 
     @functools.cached_property
     def largest_layer_block_per_token(self) -> float:
@@ -381,6 +388,17 @@ class LayerPlan:
     # The predicted peak of allocations (the measured ones grown with tokens, and what the
     # plan adds, without the allocator's margins): what the step's tensors will take.
     predicted_allocated_bytes: int = 0
+    # The same step with every layer checkpointed: its time, the measured step's per token
+    # applied to `tokens` (0: not measured).
+    checkpointed_step_seconds: float = 0.0
+
+    @property
+    def predicted_step_seconds(self) -> float:
+        """The step's predicted time: the checkpointed step's less the recompute the plan
+        saves (0: the checkpointed step's time is unknown)."""
+        if self.checkpointed_step_seconds <= 0:
+            return 0.0
+        return max(0.0, self.checkpointed_step_seconds - self.predicted_seconds_saved)
 
     def count(self, mode: str) -> int:
         return sum(m == mode for m in self.modes)
@@ -838,7 +856,8 @@ def _plan_with(measured: StepMeasurement, tokens: int, budget_bytes: int, reserv
                      offloaded_output_bytes=int(round(offloaded_bytes)),
                      host_limited_bytes=host_limited, resident_offloaded=resident_offloaded,
                      resident_offloaded_bytes=int(round(resident_offloaded_bytes)),
-                     predicted_allocated_bytes=int(allocated))
+                     predicted_allocated_bytes=int(allocated),
+                     checkpointed_step_seconds=measured.step_seconds * tokens / measured.tokens)
 
 
 def _offloaded_plan(measured: StepMeasurement, tokens: int, phases: _Phases, budget: int,
@@ -883,6 +902,8 @@ def plan_summary(plan: LayerPlan) -> Dict[str, float]:
         "budget_predicted_peak_bytes": plan.predicted_peak_bytes,
         "budget_predicted_allocated_bytes": plan.predicted_allocated_bytes,
         "budget_predicted_saved_ms": plan.predicted_seconds_saved * 1e3,
+        "budget_checkpointed_step_ms": plan.checkpointed_step_seconds * 1e3,
+        "budget_predicted_step_ms": plan.predicted_step_seconds * 1e3,
         "budget_reserve_bytes": plan.reserve_bytes,
         "budget_offloading_layers": plan.offloading_layers,
         "budget_offloaded_output_bytes": plan.offloaded_output_bytes,
@@ -894,9 +915,11 @@ def plan_summary(plan: LayerPlan) -> Dict[str, float]:
 def uniform_measurement(num_layers: int, tokens: int, saved_bytes_per_token: float,
                         recompute_seconds_per_token: float, peak_bytes: int,
                         activation_peak_bytes: int,
-                        outputs: Tuple[KeptOutput, ...] = ()) -> StepMeasurement:
+                        outputs: Tuple[KeptOutput, ...] = (),
+                        step_seconds: float = 0.0) -> StepMeasurement:
     """A measurement of `num_layers` identical layers (the planner's model of a decoder)."""
     layer = LayerCost(saved_bytes_per_token, recompute_seconds_per_token, tuple(outputs))
     return StepMeasurement(tokens=tokens, layers=(layer,) * num_layers, peak_bytes=peak_bytes,
-                           activation_peak_bytes=activation_peak_bytes)
+                           activation_peak_bytes=activation_peak_bytes,
+                           step_seconds=step_seconds)
 

@@ -285,7 +285,8 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
     head_phase_gib = max(phases["head_peak_gib"] or 0, phases["forward_peak_gib"] or 0)
     measured = uniform_measurement(
         plan["layers"], tokens, layer_gib * GIB / tokens, layer_ms / 1e3 / tokens,
-        peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0, outputs=outputs)
+        peak_bytes=int(step_peak_gib * GIB), activation_peak_bytes=0, outputs=outputs,
+        step_seconds=step_ms / 1e3)
     # The layer's input is what the engine offloads of it (the planner's bytes per layer);
     # its saved storages, for a resident layer's offloads, are estimated as its projections'
     # and attention's outputs, then the rest in one piece (run time measures them).
@@ -323,7 +324,7 @@ def budget_section(flags: Dict[str, str], plan: Dict) -> Dict:
         "predicted_allocated_bytes": layer_plan.predicted_allocated_bytes,
         "checkpointed_peak_bytes": layer_plan.checkpointed_peak_bytes,
         "checkpointed_step_ms": step_ms,
-        "predicted_step_ms": step_ms - layer_plan.predicted_seconds_saved * 1e3,
+        "predicted_step_ms": layer_plan.predicted_step_seconds * 1e3,
         "fits": layer_plan.fits,
     }
 
