@@ -271,6 +271,8 @@ def run_var(shape: str, low: int, high: int, steps: int, cap: str, base,
             offloaded_output_gib=stats.get("budget_offloaded_output_bytes", 0) / GIB,
             exposed_wait_ms=stats.get("exposed_wait_ms"),
             predicted_saved_ms=stats.get("budget_predicted_saved_ms"),
+            predicted_step_ms=stats.get("budget_predicted_step_ms"),
+            timed_step_ms=stats.get("budget_measured_step_ms"),
             predicted_peak_gib=stats.get("budget_predicted_peak_bytes", 0) / GIB,
             predicted_allocated_gib=stats.get("budget_predicted_allocated_bytes", 0) / GIB,
             stranded_gib=stats.get("budget_stranded_bytes", 0) / GIB,
@@ -351,6 +353,10 @@ def table(report) -> str:
                 saved = stats.get("budget_predicted_saved_ms", 0)
                 if saved:
                     plan += f", predicted saving {saved:.0f} ms"
+                step = stats.get("budget_predicted_step_ms", 0)
+                if step:  # the run time's own figures: predicted, and its median timed step
+                    plan += (f", step predicted {step:.0f} ms, timed "
+                             f"{stats.get('budget_measured_step_ms', 0):.0f} ms")
             lines.append(
                 f"| {run['shape']}{loss_note} | {run['seq']} | {run['cap_gib']:.0f} | "
                 f"{row['mode']} | "

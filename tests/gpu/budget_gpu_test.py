@@ -281,6 +281,51 @@ def test_a_layers_recompute_time_leaves_out_the_meters_own_work(monkeypatch):
     assert ops_per_layer >= 20
     assert all(c.outputs for c in measured.layers)  # every layer was metered
     assert slowest < ops_per_layer * delay / 2
+    # Nor does the measured step's time, which the plans' predicted step times start from.
+    print(f"measured step {measured.step_seconds * 1e3:.1f} ms, meter delays "
+          f"{len(metered_ops) * delay * 1e3:.0f} ms")
+    assert 0 < measured.step_seconds < len(metered_ops) * delay / 2
+
+
+def test_step_times_are_the_devices_forward_and_backward():
+    """stats() times each planned step from its forward's start to its backward's end with
+    CUDA events, read without waiting: near the step's synchronized wall time, without the
+    device work that runs between steps (an optimizer's, a generation's)."""
+    import statistics
+    import time
+
+    from ckpt_offload.hf import enable_activation_offload
+
+    model = lora_llama()
+    handle = enable_activation_offload(model, memory_budget="1TiB")
+    ids = torch.randint(0, model.config.vocab_size, (1, SEQ),
+                        generator=torch.Generator().manual_seed(0)).cuda()
+    busy = torch.ones(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    walls, between = [], []
+    for _ in range(8):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model(input_ids=ids, labels=ids).loss.backward()
+        torch.cuda.synchronize()
+        walls.append(time.perf_counter() - start)
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        for _ in range(100):
+            torch.mm(busy, busy, out=busy)
+        torch.cuda.synchronize()
+        between.append(time.perf_counter() - start)
+    stats = handle.stats()
+    wall = statistics.median(walls[2:]) * 1e3
+    print(f"planned steps: {wall:.1f} ms synchronized, {stats['budget_measured_step_ms']:.1f} "
+          f"ms timed (median of {stats['budget_measured_steps']}), predicted "
+          f"{stats['budget_predicted_step_ms']:.1f} ms, checkpointed "
+          f"{stats['budget_checkpointed_step_ms']:.1f} ms; {statistics.median(between) * 1e3:.1f} "
+          f"ms of device work between steps")
+    handle.disable()
+    assert stats["budget_resident_layers"] == LAYERS
+    assert stats["budget_measured_steps"] >= 4
+    assert 0.8 * wall < stats["budget_measured_step_ms"] <= 1.02 * wall
+    assert 0 < stats["budget_predicted_step_ms"] < stats["budget_checkpointed_step_ms"]
 
 
 def test_the_measured_step_peaks_where_an_unmeasured_one_does():

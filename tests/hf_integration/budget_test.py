@@ -1041,6 +1041,89 @@ def test_stats_report_the_stranded_pieces_of_the_plans_own_measurement(monkeypat
     handle.disable()
 
 
+class SteppedClock:
+    """The wall clock of a test: each reading 1 us after the one before, plus the seconds
+    the test adds between steps."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.readings = 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        return self.seconds + self.readings * 1e-6
+
+
+def timed_steps(monkeypatch, model, handle, seconds, between=0.0):
+    """One step of 32 tokens per entry of `seconds`, the clock moved on by it inside the
+    step's forward (as the final norm runs) and by `between` after its backward (what an
+    optimizer step or a generation would take); stats() after each step."""
+    clock = SteppedClock()
+    monkeypatch.setattr(layer_budget, "_clock", clock)
+    seconds = iter(seconds)
+
+    def forward_takes(module, args, output):
+        if torch.is_grad_enabled():
+            clock.seconds += next(seconds)
+
+    hook = model.model.norm.register_forward_hook(forward_takes)
+    stats = []
+    try:
+        while True:
+            try:
+                run(model, batches([32]), handle)
+            except StopIteration:
+                return stats
+            clock.seconds += between
+            stats.append(handle.stats())
+    finally:
+        hook.remove()
+
+
+def test_stats_report_the_plans_predicted_and_measured_step_times(monkeypatch):
+    """The measured step's time, from its forward's start to its backward's end (not what
+    runs between steps), is the checkpointed step's; a plan's predicted time is that less
+    the recompute it saves; its measured time is the median of its latest steps (one slow
+    step does not move it)."""
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    # Steps 1-2 run checkpointed (2 is measured); step 5 is slow.
+    stats = timed_steps(monkeypatch, model, handle, [1.0, 2.0, 1.5, 1.5, 9.0, 1.5, 1.5],
+                        between=30.0)
+    assert [s["budget_measured_steps"] for s in stats] == [0, 0, 1, 2, 3, 4, 5]
+    last = stats[-1]
+    assert last["budget_resident_layers"] == LAYERS
+    # The measured step: 2 s and the clock's readings in it (1 us each).
+    assert 2000 < last["budget_checkpointed_step_ms"] < 2010
+    assert last["budget_predicted_saved_ms"] > 0
+    assert last["budget_predicted_step_ms"] == pytest.approx(
+        last["budget_checkpointed_step_ms"] - last["budget_predicted_saved_ms"])
+    medians = [s["budget_measured_step_ms"] for s in stats[2:]]
+    assert medians == pytest.approx([1500, 1500, 1500, 1500, 1500], abs=0.1)
+    handle.disable()
+
+
+@pytest.mark.parametrize("plan_seconds", [2.0, 2.2])
+def test_a_plan_slower_than_the_checkpointed_step_is_said_once(monkeypatch, caplog, plan_seconds):
+    """Where step times are the device's (here: a test's clock), a plan whose steps take
+    more than SLOW_PLAN_SHARE over the checkpointed step's time is said once, as a warning,
+    once SLOW_PLAN_STEPS of them were timed; a plan as fast is not."""
+    monkeypatch.setattr(layer_budget, "PACE_CHECKED_ON_CPU", True)
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    with caplog.at_level(logging.INFO, logger="ckpt_offload.hf"):
+        timed_steps(monkeypatch, model, handle, [1.0, 2.0] + [plan_seconds] * 8, between=5.0)
+    slow = [r for r in caplog.records if "the plan's steps take" in r.getMessage()]
+    assert handle.stats()["budget_measured_step_ms"] == pytest.approx(plan_seconds * 1e3,
+                                                                      abs=0.1)
+    if plan_seconds <= 2.0 * (1 + layer_budget.SLOW_PLAN_SHARE):
+        assert slow == []
+    else:
+        assert len(slow) == 1 and slow[0].levelno == logging.WARNING
+        assert "memory_budget=None" in slow[0].getMessage()
+    handle.disable()
+
+
 def test_layers_the_model_does_not_checkpoint_stay_so(caplog):
     model = checkpointed(llama())
     layers = model.model.layers
@@ -1091,6 +1174,10 @@ def test_trainer_with_a_budget_logs_the_plan_and_trains_bit_identically(tmp_path
     assert logs[-1]["offload/budget_resident_layers"] == 4
     assert logs[0]["offload/budget_resident_layers"] == 0
     assert logs[-1]["offload/budget_predicted_peak_gib"] > 0
+    assert logs[-1]["offload/budget_predicted_step_ms"] > 0
+    assert logs[-1]["offload/budget_measured_step_ms"] > 0
+    assert logs[-1]["offload/budget_checkpointed_step_ms"] >= logs[-1][
+        "offload/budget_predicted_step_ms"]
     messages = [r.getMessage() for r in caplog.records]
     assert sum("4 of 4 layers without checkpointing" in m for m in messages) == 1
 

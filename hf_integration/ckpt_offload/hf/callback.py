@@ -52,6 +52,9 @@ BUDGET_FIGURES = {
     "offload/budget_predicted_allocated_gib": ("budget_predicted_allocated_bytes", GIB),
     "offload/budget_measured_peak_gib": ("budget_measured_peak_bytes", GIB),
     "offload/budget_predicted_saved_ms": ("budget_predicted_saved_ms", 1),
+    "offload/budget_checkpointed_step_ms": ("budget_checkpointed_step_ms", 1),
+    "offload/budget_predicted_step_ms": ("budget_predicted_step_ms", 1),
+    "offload/budget_measured_step_ms": ("budget_measured_step_ms", 1),
 }
 
 

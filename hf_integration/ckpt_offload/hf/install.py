@@ -971,7 +971,9 @@ class _OffloadingForward:
         profile = handle._peak.begin_step(handle._micro_steps)
         if profile is None:
             with handle.engine:
-                return self.original(*args, **kwargs)
+                outputs = self.original(*args, **kwargs)
+            handle._budget.forward_returned(outputs)
+            return outputs
         try:
             with handle.engine:
                 outputs = self.original(*args, **kwargs)
@@ -979,6 +981,7 @@ class _OffloadingForward:
             handle._peak.forward_failed()
             raise
         profile.forward_ended(handle.engine, outputs)
+        handle._budget.forward_returned(outputs)
         return outputs
 
     def __reduce_ex__(self, protocol):

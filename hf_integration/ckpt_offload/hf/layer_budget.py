@@ -15,7 +15,9 @@ Steps, counted from 1 after installation:
   its output for a selective layer (see "Kept outputs") with its output's bytes and its own
   time. The step's peak is the memory allocated as it began plus the peak profiler's figure
   for the same step (on CPU: that figure alone; the step's own tensors are all the budget
-  counts there);
+  counts there). Its time runs from its forward's start to its backward's end (on CUDA
+  between events: the device's), less what its layers' metered recomputes took beyond their
+  forwards (the meter's);
 - every other step is planned for its own token count (a plan per count, kept) from the
   shortest measured step at least as long: bytes per token grow with length (attention that
   materializes its scores), never shrink, so the longer step's figures bound the shorter
@@ -26,7 +28,10 @@ Steps, counted from 1 after installation:
   (context_fn). A step whose length differs from the previous step's is planned with room
   kept free for its largest block (ckpt_offload.budget, "Lengths that change"): the LM
   head's float32 logits (vocabulary x 4 bytes per token), bounded by the measured head
-  stretch's peak (small with a fused loss, which makes no logits).
+  stretch's peak (small with a fused loss, which makes no logits). Each planned step is
+  timed as the measured one was, and stats() reports the median of the plan's latest
+  steps beside its predicted time; on CUDA, a plan whose steps run slower than its
+  checkpointed step is said once (SLOW_PLAN_SHARE).
 
 A layer that its model's own settings do not checkpoint (every_n_layers, a per-layer flag)
 never reaches the checkpoint function: it is resident already, inside the measured peak,
@@ -64,8 +69,9 @@ import collections
 import contextlib
 import functools
 import logging
+import statistics
 import time
-from typing import Any, Callable, Dict, FrozenSet, List, Optional
+from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -108,7 +114,21 @@ STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers"
              "budget_reserve_bytes", "budget_offloading_layers", "budget_offloaded_output_bytes",
              "budget_host_limited_bytes", "budget_resident_offloaded_bytes",
              "budget_measured_peak_bytes", "budget_measuring", "budget_copy_bytes_per_second",
-             "budget_stranded_bytes")
+             "budget_stranded_bytes", "budget_checkpointed_step_ms", "budget_predicted_step_ms",
+             "budget_measured_step_ms", "budget_measured_steps")
+
+# Micro-step times kept per plan (the latest ones); their median is the plan's measured time
+# (robust to the odd step that also evaluates, saves or logs).
+STEP_TIMES_KEPT = 16
+# Once at least SLOW_PLAN_STEPS of a plan's steps were timed and their median is more than
+# SLOW_PLAN_SHARE above its checkpointed step's time, that is said once. Only where both
+# times are the device's (CUDA events, the measured step's meter taken out): on CPU the
+# measured step runs its meters on the same clock.
+SLOW_PLAN_STEPS = 4
+SLOW_PLAN_SHARE = 0.05
+PACE_CHECKED_ON_CPU = False  # tests turn it on with a clock of their own
+# The label of the measured step's time.
+_MEASURED = "measured"
 
 # The wall clock of measurements on CPU (tests replace it with a deterministic one).
 _clock = time.perf_counter
@@ -158,6 +178,96 @@ class _Timer:
             end.synchronize()
             return start.elapsed_time(end) / 1e3
         return interval
+
+
+class _StepTimes:
+    """How long training micro-steps take, each from its forward's start to its backward's
+    end (what a plan changes; not the optimizer, data loading or generation between steps),
+    by label (a plan's): on CUDA between events on the current stream (the device's time,
+    read once both completed: never waited for, but by latest()), else the wall clock."""
+
+    def __init__(self):
+        self._running: Optional[list] = None  # [start mark, label] of the running step
+        self._unread: Deque[tuple] = collections.deque()  # (start event, end event, label)
+        self._times: Dict[Any, Deque[float]] = {}
+
+    @staticmethod
+    def _mark(cuda: bool):
+        if not cuda:
+            return _clock()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def begin(self, cuda: bool) -> None:
+        """A micro-step's forward begins (label() names it); a step whose backward never
+        ended (abandoned) is not timed."""
+        self._running = [self._mark(cuda), None]
+        self._read(wait=False)
+
+    def label(self, label: Any) -> None:
+        """Names the running step (its time is kept under `label`)."""
+        if self._running is not None:
+            self._running[1] = label
+
+    def watch(self, outputs: Any) -> None:
+        """The running step's forward returned `outputs`: the end of the backward that
+        reaches any of them ends it."""
+        if self._running is None or self._running[1] is None:
+            return
+        running = self._running
+        queued = []
+
+        def backward_reached(grad):
+            if not queued:
+                queued.append(True)
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self._end(running))
+
+        for tensor in tree_leaves(outputs):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(backward_reached)
+
+    def forget(self, label: Any) -> None:
+        """Drops `label`'s times (a new measurement under it begins)."""
+        self._times.pop(label, None)
+
+    def _end(self, running: list) -> None:
+        if running is not self._running:
+            return  # a later step began before this backward ended
+        self._running = None
+        start, label = running
+        if isinstance(start, float):
+            self._add(label, _clock() - start)
+            return
+        try:
+            self._unread.append((start, self._mark(True), label))
+        except RuntimeError as error:  # a figure is not worth failing the user's backward
+            logger.debug("ckpt_offload.hf: a step was not timed (%s)", error)
+
+    def latest(self, label: Any) -> float:
+        """The time of the latest ended step of `label`, waiting for its events (0: none)."""
+        self._read(wait=True)
+        times = self._times.get(label)
+        return times[-1] if times else 0.0
+
+    def median(self, label: Any) -> Tuple[float, int]:
+        """The median time of `label`'s latest ended steps read so far, and their count."""
+        self._read(wait=False)
+        times = self._times.get(label)
+        return (statistics.median(times), len(times)) if times else (0.0, 0)
+
+    def _read(self, wait: bool) -> None:
+        while self._unread:
+            start, end, label = self._unread[0]
+            if not wait and not end.query():
+                return
+            end.synchronize()
+            self._unread.popleft()
+            self._add(label, start.elapsed_time(end) / 1e3)
+
+    def _add(self, label: Any, seconds: float) -> None:
+        self._times.setdefault(label, collections.deque(maxlen=STEP_TIMES_KEPT)).append(seconds)
 
 
 class _LayerProbe:
@@ -686,7 +796,8 @@ class LayerBudget:
         self._probes: Optional[Dict[nn.Module, _LayerProbe]] = None
         self._seen: Dict[int, Any] = {}  # address -> (weak ref, first layer) in the measured step
         self._measured_tokens = 0
-        self._measured_started = 0.0
+        self._step_times = _StepTimes()  # with a budget: the measured step's and each plan's
+        self._latest_key: Optional[tuple] = None  # the latest plan's in self._plans
         self._allocated_at_start = 0
         self._cuda = False
         self._said: set = set()
@@ -700,6 +811,10 @@ class LayerBudget:
 
     def begin_step(self, micro_step: int, tokens: int) -> None:
         """A training forward of `tokens` tokens begins (micro-step `micro_step`)."""
+        if self.value is not None:
+            if self._latest_key in self._plans:
+                self._check_pace(self._latest_key)
+            self._step_times.begin(self._on_cuda())
         if self._probes is not None:
             self._finish_measurement()
         elif self.plan is not None and self._cuda:
@@ -719,10 +834,45 @@ class LayerBudget:
         if covering is None:
             self._start_measurement(micro_step, tokens)
             return
-        plan = self._plans.get((tokens, changed))
+        key = self._latest_key = (tokens, changed)
+        plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[(tokens, changed)] = self._plan_for(covering, tokens, changed)
+            plan = self._plans[key] = self._plan_for(covering, tokens, changed)
         self.plan = self.latest_plan = plan
+        self._step_times.label(key)
+
+    def forward_returned(self, outputs: Any) -> None:
+        """The running training forward returned `outputs` (its backward's end ends the
+        step's time)."""
+        if self.value is not None:
+            self._step_times.watch(outputs)
+
+    def _on_cuda(self) -> bool:
+        return self.handle.engine.backend == "cuda" and torch.cuda.is_available()
+
+    def _check_pace(self, key: tuple) -> None:
+        """Says once if the steps of the plan for `key` run slower than its checkpointed
+        step (see SLOW_PLAN_SHARE): time the plan does not model, such as host work per op
+        the device waits for, or copies that outlast their window."""
+        plan = self._plans[key]
+        if (("slow", key) in self._said or not (self._cuda or PACE_CHECKED_ON_CPU)
+                or plan.checkpointed_step_seconds <= 0):
+            return
+        if plan.count(CHECKPOINT) == len(plan.modes) and not plan.offloading_layers:
+            return  # the checkpointed step itself
+        seconds, count = self._step_times.median(key)
+        if count < SLOW_PLAN_STEPS or seconds <= plan.checkpointed_step_seconds * (
+                1 + SLOW_PLAN_SHARE):
+            return
+        self._say(("slow", key), "ckpt_offload.hf: memory budget, %d tokens per micro-step: "
+                  "the plan's steps take %.1f ms (median of %d), %.0f %% more than the %.1f ms "
+                  "measured with every layer checkpointed (%.1f ms predicted); the plan costs "
+                  "time it does not model (host work per op that the device waits for, or "
+                  "copies that outlast their window). memory_budget=None checkpoints every "
+                  "layer again.", plan.tokens, seconds * 1e3, count,
+                  (seconds / plan.checkpointed_step_seconds - 1) * 100,
+                  plan.checkpointed_step_seconds * 1e3, plan.predicted_step_seconds * 1e3,
+                  level=logging.WARNING)
 
     def _planned_index(self, layer: Optional[nn.Module]) -> Optional[int]:
         """`layer`'s index in the running step's plan; None without a plan, or for a layer
@@ -855,16 +1005,16 @@ class LayerBudget:
 
     def _start_measurement(self, micro_step: int, tokens: int) -> None:
         self.handle._peak.profile_this_step(micro_step)  # the breakdown gives its peak
-        self._cuda = self.handle.engine.backend == "cuda" and torch.cuda.is_available()
+        self._cuda = self._on_cuda()
         self._probes = {}
         self._seen = {}
         self._measured_tokens = tokens
-        self._measured_started = time.perf_counter()
+        self._step_times.forget(_MEASURED)
+        self._step_times.label(_MEASURED)
         self._allocated_at_start = torch.cuda.memory_allocated() if self._cuda else 0
 
     def _finish_measurement(self) -> None:
         probes, self._probes = self._probes, None
-        step_seconds = time.perf_counter() - self._measured_started
         layers = []
         for layer in self.handle._layers:
             probe = probes.get(layer)
@@ -882,6 +1032,11 @@ class LayerBudget:
         self._seen = {}
         if not any(cost.recompute_seconds_per_token > 0 for cost in layers):
             return  # no recompute ran (the step saw no backward): a later step measures
+        # Its time without the meter's: where a layer's forward was timed, what its metered
+        # recompute took beyond that is the meter's (the device idle between ops).
+        metering = sum(max(0.0, probe.seconds - probe.forward_seconds)
+                       for probe in probes.values() if probe.forward_seconds > 0)
+        step_seconds = max(0.0, self._step_times.latest(_MEASURED) - metering)
         activation_peak = self._activation_peak(layers)
         # What the step allocated at its peak: memory cached for others (another model's
         # forward, an evaluation) is not the step's, and the allocator reuses it.
@@ -983,10 +1138,13 @@ class LayerBudget:
                       "size it; without one the plan keeps the measured step's peak", self.value)
         reserve = int(measured.largest_block_bytes_per_token * tokens) if changed else 0
         plan = plan_layers(measured, tokens, budget, reserve, self._output_offload())
+        step = ("" if plan.checkpointed_step_seconds <= 0 else
+                " (a step of %.1f ms predicted, %.1f ms with every layer checkpointed)"
+                % (plan.predicted_step_seconds * 1e3, plan.checkpointed_step_seconds * 1e3))
         self._say(("plan", tokens, changed), "ckpt_offload.hf: memory budget, %d tokens per "
-                  "micro-step%s: %s; predicted to save %.1f ms of recompute", tokens,
+                  "micro-step%s: %s; predicted to save %.1f ms of recompute%s", tokens,
                   " (length changed: %.2f GiB kept free)" % (reserve / GIB) if reserve else "",
-                  plan.describe(), plan.predicted_seconds_saved * 1e3)
+                  plan.describe(), plan.predicted_seconds_saved * 1e3, step)
         if not plan.fits:
             self._say("over", "ckpt_offload.hf: memory_budget=%r is below what the step needs "
                       "with every layer checkpointed; every layer stays checkpointed", self.value)
@@ -1038,6 +1196,9 @@ class LayerBudget:
 
     def stats(self) -> Dict[str, float]:
         """The plan of the running step (of the latest planned one while a step is measured),
+        with its predicted step time and the checkpointed step's it came from, the median
+        time of its latest steps (budget_measured_step_ms, over budget_measured_steps of
+        them: from a training forward's start to its backward's end, on CUDA the device's),
         budget_measuring (1: this step is measured, every layer checkpointed), the
         memory reserved by the end of the latest planned step (CUDA) and the allocator's
         free pieces stranded as the head began in the step the plan was measured from."""
@@ -1047,15 +1208,18 @@ class LayerBudget:
             # Measurements are never dropped: the one a plan came from still covers it.
             figures["budget_stranded_bytes"] = self._covering(
                 self.latest_plan.tokens).stranded_bytes
+            seconds, count = self._step_times.median(self._latest_key)
+            figures["budget_measured_step_ms"] = seconds * 1e3
+            figures["budget_measured_steps"] = count
         figures["budget_measured_peak_bytes"] = self.measured_peak_bytes
         figures["budget_measuring"] = int(self._probes is not None)
         figures["budget_copy_bytes_per_second"] = self.planned_copy_bytes_per_second
         return figures
 
-    def _say(self, key, message: str, *args) -> None:
+    def _say(self, key, message: str, *args, level: int = logging.INFO) -> None:
         if key not in self._said:
             self._said.add(key)
-            logger.info(message, *args)
+            logger.log(level, message, *args)
 
 
 def _output_vocab(model: nn.Module) -> int:
