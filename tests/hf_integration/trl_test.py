@@ -218,7 +218,7 @@ def test_trl_trainer_keeps_prefetch_and_stays_bit_identical(case, tmp_path):
 def test_trl_trainer_with_a_memory_budget_stays_bit_identical(case, tmp_path, monkeypatch):
     """memory_budget under each trainer's toggles and varying lengths: with every layer
     resident, and with a budget that makes layers selective, losses and gradients match the
-    run without offload."""
+    run without offload; every training step is timed (its backward reaches its outputs)."""
     ticks = itertools.count()  # a clock that ticks per reading: the same plans every run
     monkeypatch.setattr(layer_budget, "_clock", lambda: float(next(ticks)))
     steps = 5  # measured at step 2, planned from step 3
@@ -230,6 +230,9 @@ def test_trl_trainer_with_a_memory_budget_stays_bit_identical(case, tmp_path, mo
     layers = len(measured.layers)
     plans = [s["layer_modes"] for s in recorder.stats[2:]]
     assert plans == [["resident"] * layers] * (steps - 2)
+    # Each step's backward ends its time: the measured step's and every planned one's.
+    assert measured.step_seconds > 0
+    assert [s["budget_measured_steps"] for s in recorder.stats[2:]] == list(range(1, steps - 1))
     runs = [(losses, recorder)]
 
     keep_outputs_on_device(monkeypatch)

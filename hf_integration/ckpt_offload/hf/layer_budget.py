@@ -199,23 +199,18 @@ class _StepTimes:
         event.record()
         return event
 
-    def begin(self, cuda: bool) -> None:
-        """A micro-step's forward begins (label() names it); a step whose backward never
-        ended (abandoned) is not timed."""
-        self._running = [self._mark(cuda), None]
+    def begin(self, cuda: bool, label: Any) -> None:
+        """A micro-step's forward begins; its time is kept under `label` (None: not timed).
+        A step whose backward never ended (abandoned) is not timed."""
+        self._running = None if label is None else [self._mark(cuda), label]
         self._read(wait=False)
-
-    def label(self, label: Any) -> None:
-        """Names the running step (its time is kept under `label`)."""
-        if self._running is not None:
-            self._running[1] = label
 
     def watch(self, outputs: Any) -> None:
         """The running step's forward returned `outputs`: the end of the backward that
         reaches any of them ends it."""
-        if self._running is None or self._running[1] is None:
-            return
         running = self._running
+        if running is None:
+            return
         queued = []
 
         def backward_reached(grad):
@@ -811,10 +806,18 @@ class LayerBudget:
 
     def begin_step(self, micro_step: int, tokens: int) -> None:
         """A training forward of `tokens` tokens begins (micro-step `micro_step`)."""
-        if self.value is not None:
-            if self._latest_key in self._plans:
-                self._check_pace(self._latest_key)
-            self._step_times.begin(self._on_cuda())
+        if self.value is None:
+            self._begin(micro_step, tokens)
+            return
+        if self._latest_key in self._plans:
+            self._check_pace(self._latest_key)
+        # Timed once its plan is made (making one may time the device's copies).
+        label = self._begin(micro_step, tokens)
+        self._step_times.begin(self._on_cuda(), label)
+
+    def _begin(self, micro_step: int, tokens: int) -> Any:
+        """begin_step's work; returns the step's label for its time: _MEASURED, its plan's
+        key, or None (not timed)."""
         if self._probes is not None:
             self._finish_measurement()
         elif self.plan is not None and self._cuda:
@@ -825,21 +828,21 @@ class LayerBudget:
         changed = tokens != self._previous_tokens
         self._previous_tokens = tokens
         if micro_step < MEASURED_STEP or tokens <= 0:
-            return
+            return None
         if self.value is None:
             if not self.measurements:
                 self._start_measurement(micro_step, tokens)
-            return
+            return None
         covering = self._covering(tokens)
         if covering is None:
             self._start_measurement(micro_step, tokens)
-            return
+            return _MEASURED
         key = self._latest_key = (tokens, changed)
         plan = self._plans.get(key)
         if plan is None:
             plan = self._plans[key] = self._plan_for(covering, tokens, changed)
         self.plan = self.latest_plan = plan
-        self._step_times.label(key)
+        return key
 
     def forward_returned(self, outputs: Any) -> None:
         """The running training forward returned `outputs` (its backward's end ends the
@@ -1010,7 +1013,6 @@ class LayerBudget:
         self._seen = {}
         self._measured_tokens = tokens
         self._step_times.forget(_MEASURED)
-        self._step_times.label(_MEASURED)
         self._allocated_at_start = torch.cuda.memory_allocated() if self._cuda else 0
 
     def _finish_measurement(self) -> None:
