@@ -300,7 +300,8 @@ def test_step_times_are_the_devices_forward_and_backward():
     handle = enable_activation_offload(model, memory_budget="1TiB")
     ids = torch.randint(0, model.config.vocab_size, (1, SEQ),
                         generator=torch.Generator().manual_seed(0)).cuda()
-    busy = torch.ones(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    busy, product = (torch.ones(8192, 8192, device="cuda", dtype=torch.bfloat16)
+                     for _ in range(2))
     walls, between = [], []
     for _ in range(8):
         torch.cuda.synchronize()
@@ -311,7 +312,7 @@ def test_step_times_are_the_devices_forward_and_backward():
         model.zero_grad(set_to_none=True)
         start = time.perf_counter()
         for _ in range(100):
-            torch.mm(busy, busy, out=busy)
+            torch.mm(busy, busy, out=product)
         torch.cuda.synchronize()
         between.append(time.perf_counter() - start)
     stats = handle.stats()

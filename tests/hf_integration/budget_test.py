@@ -1103,6 +1103,61 @@ def test_stats_report_the_plans_predicted_and_measured_step_times(monkeypatch):
     handle.disable()
 
 
+class FakeEvent:
+    """torch.cuda.Event's timing surface on a test clock: complete once `done` is set (or
+    waited for)."""
+
+    clock = 0.0
+    made: list = []
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.time, self.done, self.waited = None, False, False
+        FakeEvent.made.append(self)
+
+    def record(self):
+        self.time = FakeEvent.clock
+
+    def query(self):
+        return self.done
+
+    def synchronize(self):
+        self.done = self.waited = True
+
+    def elapsed_time(self, end):
+        assert end.done  # and so the start, recorded before it on the stream
+        return (end.time - self.time) * 1e3
+
+
+def test_cuda_step_times_are_read_once_their_events_complete(monkeypatch):
+    """On CUDA a step's time is read from its events once they completed: stats never wait
+    for the device; only the measured step's time, read as the plan is made, does. A step
+    whose backward never ran is not timed."""
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(FakeEvent, "made", [])
+    times = layer_budget._StepTimes()
+    x = torch.ones(2, requires_grad=True)
+
+    def step(label, seconds, backward=True):
+        times.begin(True, label)
+        y = x * 2
+        times.watch(y)
+        FakeEvent.clock += seconds
+        if backward:
+            y.sum().backward()
+
+    step("plan", 1.0)
+    step("plan", 3.0)
+    step("plan", 7.0, backward=False)  # abandoned
+    assert times.median("plan") == (0.0, 0)  # recorded, not complete: not waited for
+    assert not any(event.waited for event in FakeEvent.made)
+    for event in FakeEvent.made:
+        event.done = True
+    assert times.median("plan") == (2.0, 2)
+    step("measured", 5.0)
+    assert times.latest("measured") == 5.0 and FakeEvent.made[-1].waited
+
+
 @pytest.mark.parametrize("plan_seconds", [2.0, 2.2])
 def test_a_plan_slower_than_the_checkpointed_step_is_said_once(monkeypatch, caplog, plan_seconds):
     """Where step times are the device's (here: a test's clock), a plan whose steps take
