@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import weakref
 
 import pytest
 import torch
@@ -20,7 +21,8 @@ from transformers.models.llama.modeling_llama import rotate_half
 
 from ckpt_offload import budget as budget_policy
 from ckpt_offload.budget import (CHECKPOINT, HOST_POOL_MARGIN, RESIDENT, SELECTIVE, LayerPlan,
-                                 OutputOffload, checkpointed_peak, plan_layers)
+                                 OutputOffload, checkpointed_allocated_peak, checkpointed_peak,
+                                 plan_layers)
 from ckpt_offload.hf import ActivationOffloadCallback, enable_activation_offload
 from ckpt_offload.hf import layer_budget
 from ckpt_offload.hf.compile import LAYER_CALL_IS_CHECKPOINTED
@@ -1177,6 +1179,101 @@ def test_a_plan_slower_than_the_checkpointed_step_is_said_once(monkeypatch, capl
         assert len(slow) == 1 and slow[0].levelno == logging.WARNING
         assert "memory_budget=None" in slow[0].getMessage()
     handle.disable()
+
+
+class RunsOutOfMemory:
+    """A forward hook on a model's final norm that, in the training forwards `steps` (counted
+    from 1), reports an out-of-memory error to the budgets as the CUDA allocator does and
+    raises it."""
+
+    def __init__(self, model, steps):
+        self.steps, self.forwards = set(steps), 0
+        self.hook = model.model.norm.register_forward_hook(self)
+
+    def __call__(self, module, args, output):
+        if not (torch.is_grad_enabled() and module.training):
+            return
+        self.forwards += 1
+        if self.forwards in self.steps:
+            layer_budget._on_out_of_memory(0, 1 << 30, 0, 0)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB.")
+
+
+def test_running_out_of_memory_under_a_plan_halves_what_later_plans_keep(monkeypatch, caplog):
+    """Each out-of-memory error while a plan that keeps anything runs drops that step and
+    halves what later plans keep above the checkpointed step, said as a warning; below
+    BACK_OFF_FLOOR nothing is kept, and an error under that plan changes nothing. The steps
+    that ran stay bit-identical to full checkpointing, and a disabled handle's budget is no
+    longer told."""
+    keep_outputs_on_device(monkeypatch)
+    monkeypatch.setattr(layer_budget, "_LIVE_BUDGETS", weakref.WeakSet())
+    measured = measurement_of(llama, [32] * 3)
+    budget = budget_for(measured, 64, LAYERS)  # every layer resident, just
+    lengths, failing = [32] * 12, {3, 5, 7, 9, 11}
+    ids_list = batches(lengths)
+    ran = [ids for step, ids in enumerate(ids_list, start=1) if step not in failing]
+    expected = run(checkpointed(llama()), ran)
+
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget=budget, **HOST)
+    plan_from(handle, measured)
+    oom = RunsOutOfMemory(model, failing)
+    model.train()
+    torch.manual_seed(11)
+    losses, grads, kept, shares = [], [], [], []
+    with caplog.at_level(logging.WARNING, logger="ckpt_offload.hf"):
+        for ids in ids_list:
+            model.zero_grad(set_to_none=True)
+            try:
+                loss = model(input_ids=ids, labels=ids).loss
+            except torch.OutOfMemoryError:
+                continue
+            loss.backward()
+            losses.append(loss.detach().clone())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                          if p.grad is not None})
+            stats = handle.stats()
+            if stats["budget_tokens"]:  # planned (the first step is not)
+                kept.append((stats["budget_predicted_allocated_bytes"],
+                             stats["budget_resident_layers"],
+                             LAYERS - stats["budget_checkpointed_layers"]))
+                shares.append(stats["budget_kept_share"])
+    oom.hook.remove()
+    assert_identical(expected, (losses, grads))
+    # Planned steps 2, 4, 6, 8, 10, 12; errors in 3, 5, 7, 9 back off, 11's (nothing kept)
+    # does not.
+    warnings = [r.getMessage() for r in caplog.records if "out of memory" in r.getMessage()]
+    assert len(warnings) == 4 and all("memory_budget below" in m for m in warnings)
+    assert shares == [1.0, 0.5, 0.25, 0.125, 0.0, 0.0]
+    # What plans allocate falls with each back-off, to the checkpointed step's.
+    allocated, resident, not_checkpointed = zip(*kept)
+    assert all(a > b for a, b in zip(allocated[:5], allocated[1:5]))
+    assert resident[0] == LAYERS and resident[1] < LAYERS
+    assert not_checkpointed[-2:] == (0, 0)
+    assert allocated[-1] == checkpointed_allocated_peak(measured, 64)
+    handle.disable()
+    assert list(layer_budget._LIVE_BUDGETS) == []
+
+
+def test_a_trainer_retrying_after_running_out_of_memory_keeps_the_back_off(
+        tmp_path, monkeypatch, caplog):
+    """auto_find_batch_size: the Trainer retries with half the batch after an out-of-memory
+    error; the callback's new installation keeps the budget's back-off."""
+    monkeypatch.setattr(layer_budget, "_LIVE_BUDGETS", weakref.WeakSet())
+    model = tiny_llama()
+    callback = ActivationOffloadCallback(memory_budget="1TiB", **HOST)
+    oom = RunsOutOfMemory(model, {4})  # the second planned step
+    with caplog.at_level(logging.WARNING, logger="ckpt_offload.hf"):
+        trainer, losses = train(model, tmp_path, callbacks=[callback], max_steps=6,
+                                auto_find_batch_size=True)
+    oom.hook.remove()
+    assert oom.forwards > 6  # the retry ran its own steps
+    assert trainer._train_batch_size == 1
+    warnings = [r for r in caplog.records if "out of memory" in r.getMessage()]
+    assert len(warnings) == 1
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logs[-1]["offload/budget_kept_share"] == 0.5
+    assert callback.handle is None  # uninstalled at the end, as always
 
 
 def test_layers_the_model_does_not_checkpoint_stay_so(caplog):

@@ -55,6 +55,7 @@ BUDGET_FIGURES = {
     "offload/budget_checkpointed_step_ms": ("budget_checkpointed_step_ms", 1),
     "offload/budget_predicted_step_ms": ("budget_predicted_step_ms", 1),
     "offload/budget_measured_step_ms": ("budget_measured_step_ms", 1),
+    "offload/budget_kept_share": ("budget_kept_share", 1),
 }
 
 
@@ -147,11 +148,16 @@ class ActivationOffloadCallback(TrainerCallback):
         trainer = self._calling_trainer()
         if trainer is not None:
             self._serve(trainer)  # registered with add_callback: not served yet
+        kept_share = 1.0
         if self.handle is not None:
-            self.handle.disable()  # left by a train() that raised before on_train_end
+            # Left by a train() that raised before on_train_end: a retry after running out
+            # of memory (auto_find_batch_size) keeps the budget's back-off.
+            kept_share = self.handle.budget_kept_share
+            self.handle.disable()
         if model is None:
             raise ValueError("ActivationOffloadCallback: the Trainer passed no model")
         self.handle = OffloadHandle(model, self.config, owner=self, replace=self._is_stale)
+        self.handle.budget_kept_share = kept_share
         self.peak_breakdown = self._peak_figures = None
         self._advised = False
         if not getattr(args, "skip_memory_metrics", True):

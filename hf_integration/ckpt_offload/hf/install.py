@@ -393,6 +393,7 @@ class OffloadHandle:
         Idempotent. Figures stay readable through stats() and totals()."""
         if self._step_open:
             self._harvest(synchronize=True)
+        self._budget.close()
         self._peak.cancel()
         self._peak.remove_meters()
         if self.regions is not None:
@@ -546,6 +547,20 @@ class OffloadHandle:
         every layer checkpointed)."""
         plan = self._budget.latest_plan
         return list(plan.modes) if plan is not None else None
+
+    @property
+    def budget_kept_share(self) -> float:
+        """With memory_budget: the share of what a plan could keep above the checkpointed
+        step that plans keep (1; halved after each out-of-memory error under a plan, see
+        ckpt_offload.hf.layer_budget.BACK_OFF_FLOOR). Settable, to carry it to a new
+        installation."""
+        return self._budget.kept_share
+
+    @budget_kept_share.setter
+    def budget_kept_share(self, share: float) -> None:
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"budget_kept_share: must be in [0, 1], got {share!r}")
+        self._budget.kept_share = float(share)
 
     def budget_advice(self) -> Optional[str]:
         """Without memory_budget, once a step was measured: what memory_budget='auto' would

@@ -67,10 +67,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import statistics
 import time
+import weakref
 from typing import Any, Callable, Deque, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
@@ -115,7 +117,14 @@ STAT_KEYS = ("budget_bytes", "budget_resident_layers", "budget_selective_layers"
              "budget_host_limited_bytes", "budget_resident_offloaded_bytes",
              "budget_measured_peak_bytes", "budget_measuring", "budget_copy_bytes_per_second",
              "budget_stranded_bytes", "budget_checkpointed_step_ms", "budget_predicted_step_ms",
-             "budget_measured_step_ms", "budget_measured_steps")
+             "budget_measured_step_ms", "budget_measured_steps", "budget_kept_share")
+
+# After the CUDA allocator ran out of memory while a plan that keeps anything ran, later
+# plans keep half as much above the checkpointed step (budget_kept_share), and half again
+# at each such error; below BACK_OFF_FLOOR they keep nothing (every layer checkpointed, as
+# without a budget). A trainer that retries (auto_find_batch_size) or a loop that skips
+# the batch then goes on with smaller plans instead of running out again.
+BACK_OFF_FLOOR = 1 / 8
 
 # Micro-step times kept per plan (the latest ones); their median is the plan's measured time
 # (robust to the odd step that also evaluates, saves or logs).
@@ -132,6 +141,31 @@ _MEASURED = "measured"
 
 # The wall clock of measurements on CPU (tests replace it with a deterministic one).
 _clock = time.perf_counter
+
+# Budgets that an out-of-memory error may be laid at (those installed with a budget), and
+# whether this process's CUDA allocator reports its errors to _on_out_of_memory.
+_LIVE_BUDGETS: "weakref.WeakSet[LayerBudget]" = weakref.WeakSet()
+_OBSERVING_OUT_OF_MEMORY = False
+
+
+def _observe_out_of_memory() -> None:
+    """Has the CUDA allocator call _on_out_of_memory before it raises an out-of-memory
+    error (once per process; torch offers no way to detach an observer)."""
+    global _OBSERVING_OUT_OF_MEMORY
+    attach = getattr(torch._C, "_cuda_attach_out_of_memory_observer", None)
+    if _OBSERVING_OUT_OF_MEMORY or attach is None:
+        return
+    attach(_on_out_of_memory)
+    _OBSERVING_OUT_OF_MEMORY = True
+
+
+def _on_out_of_memory(device: int, requested: int, limit: int, free: int) -> None:
+    """The allocator is about to raise: each budget whose plan is running backs off."""
+    try:
+        for budget in list(_LIVE_BUDGETS):
+            budget.ran_out(requested)
+    except Exception:  # an error here would replace the allocator's own
+        logger.exception("ckpt_offload.hf: the memory budget could not back off")
 
 
 def device_memory_bytes() -> Optional[int]:
@@ -796,6 +830,35 @@ class LayerBudget:
         self._allocated_at_start = 0
         self._cuda = False
         self._said: set = set()
+        self.kept_share = 1.0  # see BACK_OFF_FLOOR
+        self._blamed: Optional[LayerPlan] = None  # the plan the latest back-off came from
+        if value is not None:
+            _LIVE_BUDGETS.add(self)
+
+    def close(self) -> None:
+        """The installation is gone: no error is laid at its plans any more."""
+        _LIVE_BUDGETS.discard(self)
+        self.plan = None
+
+    def ran_out(self, requested: int) -> None:
+        """The device ran out of memory (`requested` bytes were asked for) while this
+        budget's latest plan ran (or since: an evaluation, the optimizer): if it keeps
+        anything, later plans keep half as much above the checkpointed step (once per
+        step; see BACK_OFF_FLOOR)."""
+        plan = self.plan
+        if plan is None or plan is self._blamed or (
+                plan.count(CHECKPOINT) == len(plan.modes) and not plan.offloading_layers):
+            return
+        self._blamed = plan
+        share = self.kept_share / 2
+        self.kept_share = share if share >= BACK_OFF_FLOOR else 0.0
+        self._plans.clear()
+        logger.warning(
+            "ckpt_offload.hf: out of memory (%.2f GiB asked for) with a memory-budget plan "
+            "running: %d tokens per micro-step, %s. Later steps keep %s. If this repeats, set "
+            "memory_budget below %.1f GiB.", requested / GIB, plan.tokens, plan.describe(),
+            "half as much above the checkpointed step" if self.kept_share else
+            "nothing (every layer checkpointed)", plan.predicted_peak_bytes / GIB)
 
     @property
     def measurement(self) -> Optional[StepMeasurement]:
@@ -1013,6 +1076,8 @@ class LayerBudget:
         self._seen = {}
         self._measured_tokens = tokens
         self._step_times.forget(_MEASURED)
+        if self._cuda and self.value is not None:
+            _observe_out_of_memory()
         self._allocated_at_start = torch.cuda.memory_allocated() if self._cuda else 0
 
     def _finish_measurement(self) -> None:
@@ -1139,6 +1204,12 @@ class LayerBudget:
             self._say("no_device", "ckpt_offload.hf: memory_budget=%r needs a CUDA device to "
                       "size it; without one the plan keeps the measured step's peak", self.value)
         reserve = int(measured.largest_block_bytes_per_token * tokens) if changed else 0
+        if self.kept_share < 1:  # backed off after running out of memory
+            if self.kept_share <= 0:  # every layer checkpointed, nothing offloaded
+                return dataclasses.replace(plan_layers(measured, tokens, 1, 0, None),
+                                           budget_bytes=budget)
+            floor = checkpointed_peak(measured, tokens) + reserve
+            budget = min(budget, int(floor + max(0, budget - floor) * self.kept_share))
         plan = plan_layers(measured, tokens, budget, reserve, self._output_offload())
         step = ("" if plan.checkpointed_step_seconds <= 0 else
                 " (a step of %.1f ms predicted, %.1f ms with every layer checkpointed)"
@@ -1216,6 +1287,7 @@ class LayerBudget:
         figures["budget_measured_peak_bytes"] = self.measured_peak_bytes
         figures["budget_measuring"] = int(self._probes is not None)
         figures["budget_copy_bytes_per_second"] = self.planned_copy_bytes_per_second
+        figures["budget_kept_share"] = self.kept_share
         return figures
 
     def _say(self, key, message: str, *args, level: int = logging.INFO) -> None:
