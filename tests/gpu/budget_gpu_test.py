@@ -7,8 +7,10 @@ allocator held to its predicted reserved peak, and losses and gradients are bit-
 to full checkpointing (eager attention: deterministic kernels). With Llama
 3's vocabulary, a budget of the checkpointed step's own peak and room for the outputs in
 transit offloads op outputs through the engine, bit-identically, at the memory
-ckpt_offload uses without a budget and that room. Neither a layer's recompute time nor the
-measured step's peak counts the meter's own work.
+ckpt_offload uses without a budget and that room. Neither a layer's recompute time, nor
+the measured step's time or peak, counts the meter's own work. Planned steps are timed by
+CUDA events (forward and backward, not the work between steps), and a real out-of-memory
+error under a plan makes later plans keep less.
 
     python -m pytest -s tests/gpu/budget_gpu_test.py
 """
@@ -354,3 +356,42 @@ def test_the_measured_step_peaks_where_an_unmeasured_one_does():
     print(f"activation peak: measured step {measured.activation_peak_bytes / GIB:.3f} GiB, "
           f"ckpt_offload's {breakdown['step_peak_bytes'] / GIB:.3f} GiB")
     assert abs(difference) <= 64 * 2**20
+
+
+def test_running_out_of_memory_under_a_plan_backs_off():
+    """A real out-of-memory error in a planned step (a forward hook asks for more than the
+    device has): the allocator's observer tells the budget, which halves what later plans
+    keep above the checkpointed step, and training goes on."""
+    from ckpt_offload.hf import enable_activation_offload
+
+    model = lora_llama()
+    handle = enable_activation_offload(model, memory_budget="auto")
+    ids = torch.randint(0, model.config.vocab_size, (1, SEQ),
+                        generator=torch.Generator().manual_seed(0)).cuda()
+    too_much = 2 * torch.cuda.get_device_properties(0).total_memory
+    failing = {"step": False}
+
+    def ask_too_much(module, args, output):
+        if failing["step"] and torch.is_grad_enabled():
+            torch.empty(too_much, dtype=torch.uint8, device="cuda")
+
+    hook = model.base_model.model.model.norm.register_forward_hook(ask_too_much)
+    failed, before = [], None
+    for step in range(1, 7):
+        failing["step"] = step == 4
+        try:
+            model(input_ids=ids, labels=ids).loss.backward()
+        except torch.OutOfMemoryError:
+            failed.append(step)
+        model.zero_grad(set_to_none=True)
+        if step == 3:
+            before = handle.stats()
+    after = handle.stats()
+    hook.remove()
+    handle.disable()
+    print(f"budget {before['budget_bytes'] / GIB:.2f} GiB, {before['budget_resident_layers']} "
+          f"resident; after the error {after['budget_bytes'] / GIB:.2f} GiB, "
+          f"{after['budget_resident_layers']} resident")
+    assert failed == [4]
+    assert before["budget_kept_share"] == 1.0 and after["budget_kept_share"] == 0.5
+    assert after["budget_bytes"] < before["budget_bytes"]
