@@ -146,9 +146,10 @@ after it did. A layer whose measured recompute saved nothing (a time of 0: never
 recomputed) is not worth its bytes: it stays checkpointed, and no layer before it goes
 resident. Without kept-output candidates (none measured) the plan is the longest run of
 last layers that fits. A plan's predicted step time is the measured step's, per token
-applied to its tokens, less the recompute it saves; it counts device time only (a selective
-or offloading layer's host work per op, 13-20 us more on a LoRA layer, is hidden where the
-device's ops take longer, as they do at 8B s8k).
+applied to its tokens, less the recompute it saves. It counts device time only: a selective
+or offloading layer adds host work to each op of its forward and recompute (13-20 us per
+op on a LoRA layer, measured on the meta device), hidden where the device's ops take
+longer, as they do at 8B s8k.
 """
 
 from __future__ import annotations
