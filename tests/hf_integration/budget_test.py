@@ -970,6 +970,38 @@ def test_each_new_length_is_measured_and_shorter_ones_planned_from_a_longer_one(
     handle.disable()
 
 
+def test_planned_token_counts_are_rounded_up_to_a_few_per_doubling():
+    """A step is planned for its tokens rounded up to PLAN_TOKEN_BITS significant bits: never
+    fewer tokens, at most 1/128 more, exact for powers of two and multiples of 256 below
+    32k, and at most 128 counts per doubling of length."""
+    planned = layer_budget.planned_tokens
+    counts = range(1, 70000)
+    assert all(t <= planned(t) <= t * (1 + 1 / 128) for t in counts)
+    assert all(planned(t) == t for t in range(256, 32768, 256))
+    assert all(planned(1 << k) == 1 << k for k in range(20))
+    assert all(planned(planned(t)) == planned(t) for t in counts)
+    assert len({planned(t) for t in range(4097, 8193)}) == 128
+    assert len({planned(t) for t in range(1, 256)}) == 255  # short steps plan exactly
+
+
+def test_steps_whose_lengths_all_differ_share_a_few_plans(monkeypatch):
+    """Lengths that differ at every step (dynamic padding): steps whose token counts round
+    to the same planned count share one plan, made for that count (a few tokens more: never
+    less room); losses and gradients stay bit-identical to full checkpointing."""
+    keep_outputs_on_device(monkeypatch)
+    lengths = [264, 264] + list(range(257, 264))  # 528 tokens measured, then 514 ... 526
+    expected = run(checkpointed(llama()), batches(lengths))
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    actual, steps = metered_run(model, handle, batches(lengths), lambda step: False)
+    assert_identical(expected, actual)
+    planned = [stats["budget_tokens"] for stats, _ in steps[2:]]
+    assert planned == [516, 516, 520, 520, 524, 524, 528]
+    assert sorted(handle._budget._plans) == [(516, True), (520, True), (524, True),
+                                             (528, True)]
+    handle.disable()
+
+
 @pytest.mark.parametrize("ratio", [None, 2])
 def test_a_step_far_shorter_than_every_measured_one_is_measured_itself(monkeypatch, ratio):
     """With a measured-length ratio (off by default), a step more than that many times

@@ -18,10 +18,11 @@ Steps, counted from 1 after installation:
   counts there). Its time runs from its forward's start to its backward's end (on CUDA
   between events: the device's), less what its layers' metered recomputes took beyond their
   forwards (the meter's);
-- every other step is planned for its own token count (a plan per count, kept) from the
-  shortest measured step at least as long: bytes per token grow with length (attention that
-  materializes its scores), never shrink, so the longer step's figures bound the shorter
-  one's (its peak, not scaled down, bounds it loosely: see MEASURED_LENGTH_RATIO). The
+- every other step is planned for its own token count (rounded up to PLAN_TOKEN_BITS
+  significant bits; a plan per count, kept) from the shortest measured step at least as
+  long: bytes per token grow with length (attention that materializes its scores), never
+  shrink, so the longer step's figures bound the shorter one's (its peak, not scaled down,
+  bounds it loosely: see MEASURED_LENGTH_RATIO). The
   layers the plan makes resident run without checkpointing (their GradientCheckpointingLayer
   calls the function directly); the others are checkpointed with their inputs offloaded,
   selective ones keeping their chosen outputs through torch's selective checkpointing
@@ -138,6 +139,20 @@ SLOW_PLAN_SHARE = 0.05
 PACE_CHECKED_ON_CPU = False  # tests turn it on with a clock of their own
 # The label of the measured step's time.
 _MEASURED = "measured"
+
+# A step is planned for its token count rounded up to this many significant bits (at most
+# 1/128 more tokens, planned conservatively: bytes grow with tokens), so that a run whose
+# lengths all differ (dynamic padding, padding-free batches) makes at most 128 plans per
+# doubling of length instead of one per length: a plan takes tens of milliseconds of the
+# training thread and tens of KiB (8B with kept outputs: 34 ms, 37 KiB). Multiples of 256
+# below 32k tokens, and powers of two, plan exactly.
+PLAN_TOKEN_BITS = 8
+
+
+def planned_tokens(tokens: int) -> int:
+    """The token count a step of `tokens` is planned for (see PLAN_TOKEN_BITS)."""
+    step = 1 << max(0, tokens.bit_length() - PLAN_TOKEN_BITS)
+    return -(-tokens // step) * step
 
 # The wall clock of measurements on CPU (tests replace it with a deterministic one).
 _clock = time.perf_counter
@@ -811,6 +826,7 @@ class LayerBudget:
         self.measured_peak_bytes = 0  # reserved by the end of the latest planned step
         self._plans: Dict[tuple, LayerPlan] = {}  # by (tokens, length changed)
         self._previous_tokens = 0
+        self._step_tokens = 0  # the running step's (its plan's may be a few more)
         self._vocab = _output_vocab(handle.model)
         # The copy rate offloaded outputs are planned with (0: none are offloaded; None: the
         # device's, measured when the first plan is made) and the share of each layer's
@@ -890,6 +906,7 @@ class LayerBudget:
         self.plan = None
         changed = tokens != self._previous_tokens
         self._previous_tokens = tokens
+        self._step_tokens = tokens
         if micro_step < MEASURED_STEP or tokens <= 0:
             return None
         if self.value is None:
@@ -900,10 +917,11 @@ class LayerBudget:
         if covering is None:
             self._start_measurement(micro_step, tokens)
             return _MEASURED
-        key = self._latest_key = (tokens, changed)
+        # Never past the measurement it is planned from (which then stays its covering one).
+        key = self._latest_key = (min(planned_tokens(tokens), covering.tokens), changed)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._plan_for(covering, tokens, changed)
+            plan = self._plans[key] = self._plan_for(covering, key[0], changed)
         self.plan = self.latest_plan = plan
         return key
 
@@ -978,7 +996,7 @@ class LayerBudget:
         if index is None or not self.plan.offloaded_storages(index):
             return contextlib.nullcontext()
         cost = self._covering(self.plan.tokens).layers[index]  # the plan's measurement
-        sizes = {ordinal: int(round(cost.storages[ordinal] * self.plan.tokens))
+        sizes = {ordinal: int(round(cost.storages[ordinal] * self._step_tokens))
                  for ordinal in self.plan.offloaded_storages(index)}
         return _StorageSaver(self.handle.engine, layer, sizes, self._say)
 
