@@ -6,7 +6,9 @@
 # load in its log, so that a slow row says whether the allocator or the host made it slow.
 #   caps   today's memory (--budget 29GiB: ckpt_offload alone allocates 27.4 GiB at its peak
 #          and runs out of memory with the allocator held to 28), 40 and 80 GiB caps, s8k
-#   full   the whole card and 80 GiB at s16k; the GPU budget tests
+#   full   the whole card and 80 GiB at s16k
+#   tests  the GPU budget tests (tests/gpu/budget_gpu_test.py: plans at a cap, step times,
+#          the back-off after a real out-of-memory error)
 #   var    100 steps of random lengths in [4096, 32768] under "auto", 80 GiB
 #   held   the budget as the cap (the allocator may reserve no more than the budget):
 #          38 GiB at s8k, 75 GiB at s16k (at 28 GiB, s8k, ckpt_offload alone runs out)
@@ -67,8 +69,9 @@ case $part in
     bench full 150 --configs llama3-8b:8192:full --modes ckpt,budget,none --rounds 3 \
       --empty-cache
     bench s16k 240 --configs llama3-8b:16384:80 --modes ckpt,budget,budget_keep --rounds 2 \
-      --empty-cache
-    gpu_tests 130 gpu/budget_gpu_test.py ;;
+      --empty-cache ;;
+  tests)
+    gpu_tests 400 gpu/budget_gpu_test.py ;;
   var)
     bench var 560 --var llama3-8b:4096:32768:100:80 ;;
   held)
