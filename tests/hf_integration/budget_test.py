@@ -1287,6 +1287,21 @@ def test_running_out_of_memory_under_a_plan_halves_what_later_plans_keep(monkeyp
     assert list(layer_budget._LIVE_BUDGETS) == []
 
 
+def test_running_out_of_memory_between_steps_changes_no_plan(monkeypatch, caplog):
+    """An out-of-memory error after a planned step's backward (an evaluation, the optimizer:
+    what the plan kept is freed by then) is not laid at the plan."""
+    monkeypatch.setattr(layer_budget, "_LIVE_BUDGETS", weakref.WeakSet())
+    model = checkpointed(llama())
+    handle = enable_activation_offload(model, memory_budget="1TiB", **HOST)
+    with caplog.at_level(logging.WARNING, logger="ckpt_offload.hf"):
+        run(model, batches([32] * 4), handle,
+            after_step=lambda: layer_budget._on_out_of_memory(0, 1 << 30, 0, 0))
+    assert handle.stats()["budget_resident_layers"] == LAYERS
+    assert handle.budget_kept_share == 1.0
+    assert not [r for r in caplog.records if "out of memory" in r.getMessage()]
+    handle.disable()
+
+
 def test_a_trainer_retrying_after_running_out_of_memory_keeps_the_back_off(
         tmp_path, monkeypatch, caplog):
     """auto_find_batch_size: the Trainer retries with half the batch after an out-of-memory

@@ -272,6 +272,11 @@ class _StepTimes:
             if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
                 tensor.register_hook(backward_reached)
 
+    def running(self) -> Any:
+        """The label of the step whose forward began and whose backward has not ended (None:
+        none, or unlabelled)."""
+        return None if self._running is None else self._running[1]
+
     def forget(self, label: Any) -> None:
         """Drops `label`'s times (a new measurement under it begins)."""
         self._times.pop(label, None)
@@ -857,12 +862,13 @@ class LayerBudget:
         self.plan = None
 
     def ran_out(self, requested: int) -> None:
-        """The device ran out of memory (`requested` bytes were asked for) while this
-        budget's latest plan ran (or since: an evaluation, the optimizer): if it keeps
-        anything, later plans keep half as much above the checkpointed step (once per
+        """The device ran out of memory (`requested` bytes were asked for): if a step of this
+        budget's plan was running (its forward began, its backward had not ended; not an
+        evaluation or the optimizer after it, when what the plan kept is freed) and the plan
+        keeps anything, later plans keep half as much above the checkpointed step (once per
         step; see BACK_OFF_FLOOR)."""
         plan = self.plan
-        if plan is None or plan is self._blamed or (
+        if plan is None or self._step_times.running() is None or plan is self._blamed or (
                 plan.count(CHECKPOINT) == len(plan.modes) and not plan.offloading_layers):
             return
         self._blamed = plan
