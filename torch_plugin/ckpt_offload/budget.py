@@ -421,6 +421,12 @@ class LayerPlan:
         return sum(bool(keys) for keys in self.offloaded_outputs)
 
     @property
+    def keeps_nothing(self) -> bool:
+        """Whether the step runs as with no budget: every layer checkpointed, nothing
+        offloaded but the inputs."""
+        return self.count(CHECKPOINT) == len(self.modes) and not self.offloading_layers
+
+    @property
     def fits(self) -> bool:
         """Whether the step fits the budget at all (with every layer checkpointed)."""
         return self.checkpointed_peak_bytes <= self.budget_bytes

@@ -236,22 +236,18 @@ class _StepTimes:
     read once both completed: never waited for, but by latest()), else the wall clock."""
 
     def __init__(self):
-        self._running: Optional[list] = None  # [start mark, label] of the running step
-        self._unread: Deque[tuple] = collections.deque()  # (start event, end event, label)
+        self._running: Optional[list] = None  # [timer, its start, label] of the running step
+        self._unread: Deque[tuple] = collections.deque()  # (_Timer interval of events, label)
         self._times: Dict[Any, Deque[float]] = {}
-
-    @staticmethod
-    def _mark(cuda: bool):
-        if not cuda:
-            return _clock()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
 
     def begin(self, cuda: bool, label: Any) -> None:
         """A micro-step's forward begins; its time is kept under `label` (None: not timed).
         A step whose backward never ended (abandoned) is not timed."""
-        self._running = None if label is None else [self._mark(cuda), label]
+        if label is None:
+            self._running = None
+        else:
+            timer = _Timer(cuda)
+            self._running = [timer, timer.start(), label]
         self._read(wait=False)
 
     def watch(self, outputs: Any) -> None:
@@ -275,7 +271,7 @@ class _StepTimes:
     def running(self) -> Any:
         """The label of the step whose forward began and whose backward has not ended (None:
         none, or unlabelled)."""
-        return None if self._running is None else self._running[1]
+        return None if self._running is None else self._running[2]
 
     def forget(self, label: Any) -> None:
         """Drops `label`'s times (a new measurement under it begins)."""
@@ -285,14 +281,16 @@ class _StepTimes:
         if running is not self._running:
             return  # a later step began before this backward ended
         self._running = None
-        start, label = running
-        if isinstance(start, float):
-            self._add(label, _clock() - start)
-            return
+        timer, start, label = running
         try:
-            self._unread.append((start, self._mark(True), label))
+            interval = timer.stop(start)
         except RuntimeError as error:  # a figure is not worth failing the user's backward
             logger.debug("ckpt_offload.hf: a step was not timed (%s)", error)
+            return
+        if isinstance(interval, tuple):
+            self._unread.append((interval, label))
+        else:
+            self._add(label, interval)
 
     def latest(self, label: Any) -> float:
         """The time of the latest ended step of `label`, waiting for its events (0: none)."""
@@ -308,12 +306,11 @@ class _StepTimes:
 
     def _read(self, wait: bool) -> None:
         while self._unread:
-            start, end, label = self._unread[0]
-            if not wait and not end.query():
+            interval, label = self._unread[0]
+            if not wait and not interval[1].query():  # its end event
                 return
-            end.synchronize()
             self._unread.popleft()
-            self._add(label, start.elapsed_time(end) / 1e3)
+            self._add(label, _Timer.seconds(interval))
 
     def _add(self, label: Any, seconds: float) -> None:
         self._times.setdefault(label, collections.deque(maxlen=STEP_TIMES_KEPT)).append(seconds)
@@ -830,8 +827,9 @@ class LayerBudget:
         self.latest_plan: Optional[LayerPlan] = None
         self.measured_peak_bytes = 0  # reserved by the end of the latest planned step
         self._plans: Dict[tuple, LayerPlan] = {}  # by (tokens, length changed)
-        self._previous_tokens = 0
-        self._step_tokens = 0  # the running step's (its plan's may be a few more)
+        # The latest training step's tokens (its plan's may be a few more); the next step
+        # compares its own with them.
+        self._step_tokens = 0
         self._vocab = _output_vocab(handle.model)
         # The copy rate offloaded outputs are planned with (0: none are offloaded; None: the
         # device's, measured when the first plan is made) and the share of each layer's
@@ -868,8 +866,8 @@ class LayerBudget:
         keeps anything, later plans keep half as much above the checkpointed step (once per
         step; see BACK_OFF_FLOOR)."""
         plan = self.plan
-        if plan is None or self._step_times.running() is None or plan is self._blamed or (
-                plan.count(CHECKPOINT) == len(plan.modes) and not plan.offloading_layers):
+        if (plan is None or self._step_times.running() is None or plan is self._blamed
+                or plan.keeps_nothing):
             return
         self._blamed = plan
         share = self.kept_share / 2
@@ -910,8 +908,7 @@ class LayerBudget:
             # now covers the step's peak. (The allocator's peak counters are the user's.)
             self.measured_peak_bytes = torch.cuda.memory_reserved()
         self.plan = None
-        changed = tokens != self._previous_tokens
-        self._previous_tokens = tokens
+        changed = tokens != self._step_tokens
         self._step_tokens = tokens
         if micro_step < MEASURED_STEP or tokens <= 0:
             return None
@@ -948,7 +945,7 @@ class LayerBudget:
         if (("slow", key) in self._said or not (self._cuda or PACE_CHECKED_ON_CPU)
                 or plan.checkpointed_step_seconds <= 0):
             return
-        if plan.count(CHECKPOINT) == len(plan.modes) and not plan.offloading_layers:
+        if plan.keeps_nothing:
             return  # the checkpointed step itself
         seconds, count = self._step_times.median(key)
         if count < SLOW_PLAN_STEPS or seconds <= plan.checkpointed_step_seconds * (
