@@ -147,9 +147,9 @@ recomputed) is not worth its bytes: it stays checkpointed, and no layer before i
 resident. Without kept-output candidates (none measured) the plan is the longest run of
 last layers that fits. A plan's predicted step time is the measured step's, per token
 applied to its tokens, less the recompute it saves. It counts device time only: a selective
-or offloading layer adds host work to each op of its forward and recompute (13-20 us per
-op on a LoRA layer, measured on the meta device), hidden where the device's ops take
-longer, as they do at 8B s8k.
+or offloading layer adds host work to each op of its forward and recompute (13-19 us per
+op on a LoRA layer on the meta device: benchmarks/budget_host_cost.py), hidden where the
+device's ops take longer, as they do at 8B s8k.
 """
 
 from __future__ import annotations

@@ -143,9 +143,10 @@ _MEASURED = "measured"
 # A step is planned for its token count rounded up to this many significant bits (at most
 # 1/128 more tokens, planned conservatively: bytes grow with tokens), so that a run whose
 # lengths all differ (dynamic padding, padding-free batches) makes at most 128 plans per
-# doubling of length instead of one per length: a plan takes tens of milliseconds of the
-# training thread and tens of KiB (8B with kept outputs: 34 ms, 37 KiB). Multiples of 256
-# below 32k tokens, and powers of two, plan exactly.
+# doubling of length instead of one per length: a plan takes milliseconds of the training
+# thread and tens of KiB, kept for the run (8B with kept and offloaded outputs: 5.0 ms and
+# 36 KiB, benchmarks/results/cpu/budget_host_cost.txt). Multiples of 256 below 32k tokens,
+# and powers of two, plan exactly.
 PLAN_TOKEN_BITS = 8
 
 
